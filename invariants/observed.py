@@ -1,0 +1,91 @@
+"""What invariants look at: an observed world, never the runtime's internals.
+
+A run hands the checkers its trace, snapshots of its stores and of every component's
+``residue()`` (at quiescence and after shutdown), and what each client stream received.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from runtime.kernel import Attr
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One event: a granted point, a note, a block, a fault or a crash."""
+
+    index: int
+    time_us: int
+    task: str
+    name: str
+    attrs: dict[str, Attr]
+
+    def canonical(self) -> str:
+        return json.dumps(
+            {"i": self.index, "t": self.time_us, "task": self.task, "ev": self.name, "a": self.attrs},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    def matches(self, name: str, attrs: dict[str, str]) -> bool:
+        return self.name == name and all(str(self.attrs.get(k)) == v for k, v in attrs.items())
+
+
+@dataclass(frozen=True)
+class TaskState:
+    name: str
+    state: str
+    waiting_for: str
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.state}] {self.waiting_for}"
+
+
+class HasResidue(Protocol):
+    def residue(self) -> dict[str, list[str]]: ...
+
+
+@dataclass
+class StoreSnapshot:
+    segments: list[str]
+    lock_files: list[str]
+
+
+@dataclass
+class Snapshot:
+    """Resources and per-request state at one moment (quiescence, or after shutdown)."""
+
+    label: str
+    stores: dict[str, StoreSnapshot]
+    residue: dict[str, dict[str, list[str]]]
+
+
+@dataclass
+class Stream:
+    """What the client of one request saw at the end of a stage edge."""
+
+    request_id: str
+    external_req_id: str
+    frames_sent: int = 0
+    chunks: list[tuple[int, bool]] = field(default_factory=list)  # (frames, finished)
+    outcome: str = "open"  # open | finished | aborted | failed
+
+    @property
+    def frames_received(self) -> int:
+        return sum(n for n, _ in self.chunks)
+
+
+@dataclass
+class ObservedWorld:
+    trace: list[TraceEvent]
+    snapshots: list[Snapshot]
+    streams: dict[str, Stream]
+    stop_reason: str | None = None
+    stop_detail: str = ""
+    stopped_tasks: list[TaskState] = field(default_factory=list)
+    crashes: list[tuple[str, str]] = field(default_factory=list)
+    #: Residue a scenario declares legitimate (structure name -> items), e.g. spec §3.6 O1.
+    expected_residue: dict[str, set[str]] = field(default_factory=dict)

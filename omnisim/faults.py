@@ -1,0 +1,101 @@
+"""Fault plans: named faults fired at named points, chosen up front or sampled BUGGIFY-style.
+
+A fault is an exception raised out of a point, of the very type the real failure produces, so
+the runtime handles an injected fault exactly as it handles the real one:
+
+=========================  ====================  =============================================
+kind                       fires at              what the runtime sees
+=========================  ====================  =============================================
+``put_fail``               ``shm.put.begin``     a storage error: ``put`` reports failure
+``store_full``             ``shm.put.locked``    ENOSPC before the segment exists
+``put_raise_after_create`` ``shm.put.written``   ``put`` raises with the segment left behind
+``decode_fail``            ``shm.get.consumed``  the bytes were taken but do not decode
+=========================  ====================  =============================================
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runtime.connectors.stores import StoreError, StoreFull
+from runtime.connectors.wire import WireDecodeError
+from runtime.kernel import Attr
+
+
+class InjectedStoreError(StoreError):
+    """An injected storage failure."""
+
+
+class InjectedCrash(Exception):
+    """An injected exception that escapes the connector (as a bug or an interrupted call would)."""
+
+
+class InjectedDecodeError(WireDecodeError):
+    """An injected deserialization failure after the bytes were consumed."""
+
+
+def _key(attrs: dict[str, Attr]) -> str:
+    return str(attrs.get("key"))
+
+
+FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException]]] = {
+    "put_fail": ("shm.put.begin", lambda a: InjectedStoreError(f"injected put failure for {_key(a)}")),
+    "store_full": ("shm.put.locked", lambda a: StoreFull(_key(a), 0)),
+    "put_raise_after_create": ("shm.put.written", lambda a: InjectedCrash(f"injected raise after creating {_key(a)}")),
+    "decode_fail": ("shm.get.consumed", lambda a: InjectedDecodeError(f"injected decode failure for {_key(a)}")),
+}
+
+
+class UnknownFaultError(ValueError):
+    pass
+
+
+@dataclass
+class Fault:
+    """Fire ``kind`` on the ``nth`` (1-based) hit of its point whose attrs match ``match``;
+    with ``probability`` set, every matching hit fires with that probability instead."""
+
+    kind: str
+    match: dict[str, str] = field(default_factory=dict)
+    nth: int = 1
+    probability: float | None = None
+    hits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise UnknownFaultError(f"unknown fault kind {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
+
+    @property
+    def point(self) -> str:
+        return FAULT_KINDS[self.kind][0]
+
+    def exception(self, name: str, attrs: dict[str, Attr]) -> BaseException:
+        return FAULT_KINDS[self.kind][1](attrs)
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], seed: int = 0) -> None:
+        self.faults = faults
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def sampled(cls, seed: int, kinds: list[str], site_probability: float = 0.5, hit_probability: float = 0.2) -> FaultPlan:
+        """BUGGIFY: each kind is active in this run with ``site_probability``; an active kind
+        fires on each hit with ``hit_probability``."""
+        rng = random.Random(seed)
+        active = [Fault(kind, probability=hit_probability) for kind in kinds if rng.random() < site_probability]
+        return cls(active, seed)
+
+    def fire(self, name: str, attrs: dict[str, Attr]) -> Fault | None:
+        for fault in self.faults:
+            if fault.point != name or not all(str(attrs.get(k)) == v for k, v in fault.match.items()):
+                continue
+            fault.hits += 1
+            if fault.probability is not None:
+                if self._rng.random() < fault.probability:
+                    return fault
+            elif fault.hits == fault.nth:
+                return fault
+        return None

@@ -1,0 +1,373 @@
+"""SimKernel: the runtime's kernel under a controllable, deterministic scheduler on trio.
+
+Exactly one *logical task* runs between two points. Every other task is parked on a trio
+low-level park, and the only way it runs again is that the running task, on reaching a point or
+blocking, asks the strategy which task goes next and hands control to it. Because trio itself
+only ever has one runnable task of ours, the interleaving is fully decided by the strategy, and
+the same strategy choices give the same trace byte for byte.
+
+Time is virtual: it advances only when no task may run, straight to the earliest wake-up. A run
+ends when every task has finished, or is stopped with a reason:
+
+* ``deadlock`` — tasks remain but none is runnable and none will wake (a hang);
+* ``horizon`` — the next wake-up is past the time horizon (a hang through time);
+* ``unsatisfiable`` — the strategy's ordering constraints forbid every runnable task;
+* ``step-limit`` — too many scheduling decisions (a livelock).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import trio
+
+from invariants.observed import TaskState, TraceEvent
+from runtime.kernel import Attr, KTaskGroup, use_kernel
+
+if TYPE_CHECKING:
+    from omnisim.faults import FaultPlan
+    from omnisim.strategies.base import Strategy
+
+T = TypeVar("T")
+
+READY = "ready"
+BLOCKED = "blocked"
+SLEEPING = "sleeping"
+DONE = "done"
+
+
+def _us(seconds: float) -> int:
+    return max(0, round(seconds * 1_000_000))
+
+
+@dataclass(eq=False)
+class SimTask:
+    """A logical task. ``pending`` is the point it waits at, which the strategy may inspect."""
+
+    tid: int
+    name: str
+    fn: Callable[[], Awaitable[object]]
+    group: _SimGroup | None
+    state: str = READY
+    trio_task: trio.lowlevel.Task | None = None
+    go: bool = False
+    pending: tuple[str, dict[str, Attr]] = ("task.start", {})
+    waiting_for: str = ""
+    wake_at: int | None = None
+    notified: bool = False
+
+    def describe(self) -> TaskState:
+        if self.state == READY:
+            what = f"at point {self.pending[0]} {self.pending[1] or ''}".rstrip()
+        else:
+            what = self.waiting_for
+        return TaskState(self.name, self.state, what)
+
+
+class _SimGroup:
+    def __init__(self, kernel: SimKernel, nursery: trio.Nursery, owner: SimTask) -> None:
+        self.kernel = kernel
+        self.nursery = nursery
+        self.owner = owner
+        self.live = 0
+        self.waiter: SimTask | None = None
+
+    def start_soon(self, fn: Callable[[], Awaitable[object]], *, name: str) -> None:
+        task = self.kernel._register(fn, name, self)
+        self.live += 1
+        self.nursery.start_soon(self.kernel._run_task, task, name=name)
+
+
+class _SimLock:
+    def __init__(self, kernel: SimKernel, name: str) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.owner: SimTask | None = None
+        self.waiters: deque[SimTask] = deque()
+
+    async def __aenter__(self) -> None:
+        k = self.kernel
+        me = k._me()
+        if self.owner is None:
+            self.owner = me
+            return
+        assert self.owner is not me, f"lock {self.name} is not reentrant"
+        me.state = BLOCKED
+        me.waiting_for = f"lock {self.name} held by {self.owner.name}"
+        self.waiters.append(me)
+        k._emit(me, "kernel.block", {"on": f"lock:{self.name}"})
+        await k._yield(me)  # ownership is handed over by the releasing task
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.waiters:
+            nxt = self.waiters.popleft()
+            self.owner = nxt
+            nxt.state = READY
+        else:
+            self.owner = None
+
+
+class _SimSignal:
+    def __init__(self, kernel: SimKernel, name: str) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.waiters: list[SimTask] = []
+
+    def notify(self) -> None:
+        for task in self.waiters:
+            if task.state != DONE:
+                task.state = READY
+                task.wake_at = None
+                task.notified = True
+        self.waiters.clear()
+
+    async def wait(self, timeout: float) -> bool:
+        k = self.kernel
+        me = k._me()
+        me.notified = False
+        me.state = SLEEPING
+        me.wake_at = k.clock_us + _us(timeout)
+        me.waiting_for = f"signal {self.name} (timeout {timeout}s)"
+        self.waiters.append(me)
+        await k._yield(me)
+        if not me.notified and me in self.waiters:
+            self.waiters.remove(me)
+        return me.notified
+
+
+@dataclass
+class SimOutcome:
+    """What a simulated run did: how it ended, its trace and the choices that produced it."""
+
+    stop_reason: str | None
+    stopped_tasks: list[TaskState]
+    crashes: list[tuple[str, str]]
+    trace: list[TraceEvent]
+    choices: list[int]
+    steps: int
+    virtual_time_s: float
+    detail: str = ""
+    unsatisfied: list[str] = field(default_factory=list)
+
+    def trace_lines(self) -> list[str]:
+        return [event.canonical() for event in self.trace]
+
+
+class SimKernel:
+    """The kernel that runs the runtime under a :class:`~omnisim.strategies.base.Strategy`."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        *,
+        faults: FaultPlan | None = None,
+        horizon_s: float = 30.0,
+        max_steps: int = 200_000,
+    ) -> None:
+        self.strategy = strategy
+        self.faults = faults
+        self.horizon_us = _us(horizon_s)
+        self.max_steps = max_steps
+        self.clock_us = 0
+        self.steps = 0
+        self.tasks: list[SimTask] = []
+        self.current: SimTask | None = None
+        self.trace: list[TraceEvent] = []
+        self.choices: list[int] = []
+        self.crashes: list[tuple[str, str]] = []
+        self._next_tid = 0
+        self._stopping = False
+        self._stop_reason: str | None = None
+        self._stopped_tasks: list[TaskState] = []
+        self._stop_detail = ""
+        self._root_scope: trio.CancelScope | None = None
+
+    # == running a world =========================================================================
+
+    def run(self, main: Callable[[], Awaitable[object]], *, name: str = "main") -> SimOutcome:
+        """Run ``main`` (and every task it spawns) to completion or to a stop."""
+
+        async def root() -> None:
+            with use_kernel(self), trio.CancelScope() as scope:
+                self._root_scope = scope
+                async with trio.open_nursery() as nursery:
+                    task = self._register(main, name, None)
+                    nursery.start_soon(self._run_task, task, name=name)
+                    self._switch_to(task)
+
+        trio.run(root)
+        return SimOutcome(
+            stop_reason=self._stop_reason,
+            stopped_tasks=self._stopped_tasks,
+            crashes=self.crashes,
+            trace=self.trace,
+            choices=self.choices,
+            steps=self.steps,
+            virtual_time_s=self.clock_us / 1e6,
+            detail=self._stop_detail,
+            unsatisfied=self.strategy.unsatisfied(),
+        )
+
+    def _register(self, fn: Callable[[], Awaitable[object]], name: str, group: _SimGroup | None) -> SimTask:
+        self._next_tid += 1
+        task = SimTask(self._next_tid, name, fn, group)
+        self.tasks.append(task)
+        return task
+
+    async def _run_task(self, task: SimTask) -> None:
+        task.trio_task = trio.lowlevel.current_task()
+        if not task.go:
+            await self._park()
+        try:
+            await task.fn()
+        except Exception as e:
+            self.crashes.append((task.name, "".join(traceback.format_exception(e)).strip()))
+            self._emit(task, "kernel.crash", {"error": type(e).__name__})
+        finally:
+            task.state = DONE
+            self.tasks.remove(task)
+            group = task.group
+            if group is not None:
+                group.live -= 1
+                if group.live == 0 and group.waiter is not None:
+                    group.waiter.state = READY
+            if not self._stopping:
+                nxt = self._decide()
+                if nxt is not None:
+                    self._switch_to(nxt)
+
+    # == the scheduling core =====================================================================
+
+    def _me(self) -> SimTask:
+        assert self.current is not None, "kernel primitive used outside a simulated task"
+        return self.current
+
+    async def _park(self) -> None:
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+
+    def _switch_to(self, task: SimTask) -> None:
+        self.current = task
+        if task.trio_task is None:
+            task.go = True
+        else:
+            trio.lowlevel.reschedule(task.trio_task)
+
+    async def _yield(self, me: SimTask) -> None:
+        """Let the strategy pick who runs next (possibly ``me``) and wait until it is ``me``."""
+        if self._stopping:
+            await trio.lowlevel.checkpoint()
+        nxt = self._decide()
+        if nxt is me:
+            return
+        if nxt is not None:
+            self._switch_to(nxt)
+        await self._park()
+
+    def _decide(self) -> SimTask | None:
+        while True:
+            if not self.tasks:
+                return None
+            self.steps += 1
+            if self.steps > self.max_steps:
+                return self._stop("step-limit", f"more than {self.max_steps} scheduling steps")
+            ready = [t for t in self.tasks if t.state == READY]
+            allowed = self.strategy.allowed(ready) if ready else ready
+            if len(allowed) == 1:
+                return allowed[0]
+            if allowed:
+                pick = self.strategy.choose(allowed)
+                self.choices.append(pick.tid)
+                return pick
+            timed = [t.wake_at for t in self.tasks if t.wake_at is not None]
+            if not timed:
+                if ready:
+                    return self._stop("unsatisfiable", "the ordering constraints forbid every runnable task")
+                return self._stop("deadlock", "no task can run and none will wake")
+            wake = min(timed)
+            if wake > self.horizon_us:
+                return self._stop("horizon", f"nothing left to do before the {self.horizon_us / 1e6:g}s horizon")
+            self.clock_us = max(self.clock_us, wake)
+            for t in self.tasks:
+                if t.wake_at is not None and t.wake_at <= self.clock_us:
+                    t.wake_at = None
+                    t.state = READY
+
+    def _stop(self, reason: str, detail: str) -> None:  # returns None so _decide can return it
+        if not self._stopping:
+            self._stopping = True
+            self._stop_reason = reason
+            self._stop_detail = detail
+            self._stopped_tasks = [t.describe() for t in self.tasks]
+            assert self._root_scope is not None
+            self._root_scope.cancel()
+        return None
+
+    def stop(self, reason: str, detail: str) -> None:
+        """Stop the run from a harness task (e.g. a failed assertion of the scenario)."""
+        self._stop(reason, detail)
+
+    def _emit(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
+        event = TraceEvent(len(self.trace), self.clock_us, task.name, name, attrs)
+        self.trace.append(event)
+        self.strategy.on_event(event)
+
+    # == the Kernel interface ====================================================================
+
+    async def point(self, name: str, /, **attrs: Attr) -> None:
+        me = self._me()
+        me.pending = (name, attrs)
+        await self._yield(me)
+        self._emit(me, name, attrs)
+        if self.faults is not None:
+            fault = self.faults.fire(name, attrs)
+            if fault is not None:
+                self._emit(me, "fault", {"kind": fault.kind, "at": name})
+                raise fault.exception(name, attrs)
+
+    def note(self, name: str, /, **attrs: Attr) -> None:
+        self._emit(self._me(), name, attrs)
+
+    def now(self) -> float:
+        return self.clock_us / 1e6
+
+    async def sleep(self, seconds: float) -> None:
+        me = self._me()
+        me.state = SLEEPING
+        me.wake_at = self.clock_us + _us(seconds)
+        me.waiting_for = f"sleep until {me.wake_at / 1e6:g}s"
+        await self._yield(me)
+
+    def lock(self, name: str) -> _SimLock:
+        return _SimLock(self, name)
+
+    def signal(self, name: str) -> _SimSignal:
+        return _SimSignal(self, name)
+
+    @asynccontextmanager
+    async def task_group(self) -> AsyncIterator[KTaskGroup]:
+        me = self._me()
+        async with trio.open_nursery() as nursery:
+            group = _SimGroup(self, nursery, me)
+            yield group
+            if group.live:
+                me.state = BLOCKED
+                me.waiting_for = f"{group.live} child task(s) to finish"
+                group.waiter = me
+                await self._yield(me)
+
+    async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
+        return fn()
+
+    async def wait_readable(self, fd: int, timeout: float) -> bool:
+        await self.sleep(timeout)
+        return False
+
+
+def canonical_json(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

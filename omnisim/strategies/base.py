@@ -1,0 +1,37 @@
+"""The one interface every scheduling strategy implements."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from invariants.observed import TraceEvent
+
+if TYPE_CHECKING:
+    from omnisim.sim_kernel import SimTask
+
+
+class Strategy:
+    """Given the runnable tasks, pick the one that runs next.
+
+    ``allowed`` may hold tasks back (ordering constraints); ``choose`` is only asked when at
+    least two tasks are allowed; ``on_event`` sees every trace event as it happens.
+    """
+
+    name = "base"
+
+    def allowed(self, ready: list[SimTask]) -> list[SimTask]:
+        return ready
+
+    def choose(self, candidates: list[SimTask]) -> SimTask:
+        raise NotImplementedError
+
+    def on_event(self, event: TraceEvent) -> None:
+        return None
+
+    def unsatisfied(self) -> list[str]:
+        """Constraints this run did not meet (empty for unconstrained strategies)."""
+        return []
+
+    def describe(self) -> dict[str, object]:
+        """Parameters that rebuild this strategy (stored in artifacts)."""
+        return {"strategy": self.name}

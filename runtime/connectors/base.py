@@ -1,0 +1,54 @@
+"""The connector contract (spec §2.1): how one stage hands a payload to the next."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+
+class PutResult(NamedTuple):
+    ok: bool
+    size: int
+    metadata: dict[str, Any] | None
+
+
+FAILED_PUT = PutResult(False, 0, None)
+
+
+class Connector(Protocol):
+    """A stage-edge transport. ``put`` and ``get`` never raise for storage or payload problems."""
+
+    stage_id: int
+
+    async def put(self, from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
+        """Serialize and store ``data`` under ``put_key``; failures return :data:`FAILED_PUT`."""
+        ...
+
+    async def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Take the payload under ``get_key`` if it is there now; None means "not available now"."""
+        ...
+
+    async def cleanup(self, key: str) -> bool:
+        """Release what is stored under exactly ``key``; True if a segment was removed."""
+        ...
+
+    async def cleanup_prefix(self, key_prefix: str) -> int:
+        """Clean up tracked keys ``key_prefix + <integer>``; the number of segments removed."""
+        ...
+
+    def reap_consumed(self, *, max_keys: int = 64) -> None:
+        """Forget at most ``max_keys`` tracked keys that a consumer has already taken."""
+        ...
+
+    def get_wakeup_generation(self) -> int | None: ...
+
+    async def wait_for_change(self, generation: int, *, timeout: float) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def residue(self) -> dict[str, list[str]]:
+        """What this connector still holds, by structure name."""
+        ...
+
+    async def close(self) -> None: ...

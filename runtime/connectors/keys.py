@@ -1,0 +1,30 @@
+"""Chunk keys and the names a store may derive from them."""
+
+from __future__ import annotations
+
+import re
+
+#: A key becomes part of a file name under /dev/shm, so it is kept to a safe alphabet, no "/".
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_.:-]+")
+#: NAME_MAX is 255; a store adds a prefix of at most 40 characters.
+MAX_KEY_LENGTH = 200
+
+
+class InvalidKeyError(ValueError):
+    """A chunk key that cannot name a shared-memory object."""
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged if it is a valid chunk key, else raise :class:`InvalidKeyError`."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"chunk key must be a str, got {type(key).__name__}")
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"chunk key must be 1..{MAX_KEY_LENGTH} characters, got {len(key)}: {key[:40]!r}")
+    if not KEY_PATTERN.fullmatch(key) or key in (".", ".."):
+        raise InvalidKeyError(f"chunk key {key!r} may only contain letters, digits and _ . : -")
+    return key
+
+
+def chunk_key(external_req_id: str, stage_id: int, chunk_id: int) -> str:
+    """The adapter's key for chunk ``chunk_id`` that stage ``stage_id`` sends for a request."""
+    return f"{external_req_id}_{stage_id}_{chunk_id}"

@@ -1,0 +1,185 @@
+"""Where segments and their lock files live: the store interface and the in-memory store.
+
+A *store* is the file system underneath a shared-memory connector: named byte segments and named
+lock files, both scoped to a namespace. :class:`runtime.connectors.posix_store.PosixStore` is the
+real one (POSIX shared memory plus ``fcntl`` lock files under /dev/shm); :class:`MemoryStore`
+keeps the same semantics in dictionaries, so a simulated run explores thousands of schedules a
+second without touching the OS.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """A storage operation failed; a put that meets one reports failure and leaves nothing behind."""
+
+
+class StoreFull(StoreError):
+    """No space left for the segment (ENOSPC). Raised before a byte is mapped, never a SIGBUS."""
+
+    def __init__(self, key: str, size: int) -> None:
+        super().__init__(f"no space left for segment {key!r} of {size} bytes ({errno.errorcode[errno.ENOSPC]})")
+
+
+class Segment(Protocol):
+    """An open segment. ``buffer`` is writable for a created segment, readable for an opened one."""
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    def close(self) -> None: ...
+
+
+class LockFile(Protocol):
+    """An open lock file: an exclusive, non-blocking advisory lock."""
+
+    def try_acquire(self) -> bool: ...
+
+    def is_current(self) -> bool:
+        """True while this open lock file is still the one its name refers to."""
+        ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    namespace: str
+
+    def create_segment(self, key: str, size: int) -> Segment:
+        """Create segment ``key`` of exactly ``size`` bytes, replacing one of the same name."""
+        ...
+
+    def open_segment(self, key: str) -> Segment | None:
+        """Open an existing, sized segment; None if missing or not sized yet."""
+        ...
+
+    def unlink_segment(self, key: str) -> bool:
+        """Remove segment ``key``; True only if this call removed it."""
+        ...
+
+    def segment_exists(self, key: str) -> bool: ...
+
+    def open_lock(self, key: str, *, create: bool) -> LockFile | None:
+        """Open (or create, mode 0600) the lock file of ``key``; None if missing and not created."""
+        ...
+
+    def remove_lock(self, key: str) -> bool: ...
+
+    def segments(self) -> list[str]:
+        """Keys of every segment of this namespace, sorted."""
+        ...
+
+    def lock_files(self) -> list[str]:
+        """Keys of every lock file of this namespace, sorted."""
+        ...
+
+    def sweep(self) -> list[str]:
+        """Remove everything this namespace holds; the names removed."""
+        ...
+
+
+class _MemSegment:
+    def __init__(self, data: bytearray, writable: bool) -> None:
+        self._view = memoryview(data) if writable else memoryview(data).toreadonly()
+
+    @property
+    def buffer(self) -> memoryview:
+        return self._view
+
+    def close(self) -> None:
+        self._view.release()
+
+
+class _LockInode:
+    """One lock file; its lock belongs to the file, not to the name."""
+
+    held = False
+
+
+class _MemLock:
+    def __init__(self, store: MemoryStore, key: str, inode: _LockInode) -> None:
+        self._store = store
+        self._key = key
+        self._inode = inode
+        self._held = False
+
+    def is_current(self) -> bool:
+        return self._store._locks.get(self._key) is self._inode
+
+    def try_acquire(self) -> bool:
+        if self._inode.held:
+            return False
+        self._inode.held = self._held = True
+        return True
+
+    def release(self) -> None:
+        if self._held:
+            self._inode.held = self._held = False
+
+    def close(self) -> None:
+        self.release()
+
+
+class MemoryStore:
+    """Segments and lock files in dictionaries; ``capacity`` bytes in all (None: unbounded).
+
+    A lock held through a lock file whose name was removed stays with that open file, as with
+    ``flock`` on an unlinked inode; a new lock file of the same name is a new lock.
+    """
+
+    def __init__(self, namespace: str = "mem", capacity: int | None = None) -> None:
+        self.namespace = namespace
+        self.capacity = capacity
+        self._segments: dict[str, bytearray] = {}
+        self._locks: dict[str, _LockInode] = {}
+
+    def _used(self) -> int:
+        return sum(len(b) for b in self._segments.values())
+
+    def create_segment(self, key: str, size: int) -> _MemSegment:
+        self._segments.pop(key, None)  # replaced, as a POSIX create unlinks the old name first
+        if self.capacity is not None and self._used() + size > self.capacity:
+            raise StoreFull(key, size)
+        data = bytearray(size)
+        self._segments[key] = data
+        return _MemSegment(data, writable=True)
+
+    def open_segment(self, key: str) -> _MemSegment | None:
+        data = self._segments.get(key)
+        if not data:
+            return None
+        return _MemSegment(data, writable=False)
+
+    def unlink_segment(self, key: str) -> bool:
+        return self._segments.pop(key, None) is not None
+
+    def segment_exists(self, key: str) -> bool:
+        return key in self._segments
+
+    def open_lock(self, key: str, *, create: bool) -> _MemLock | None:
+        inode = self._locks.get(key)
+        if inode is None:
+            if not create:
+                return None
+            inode = self._locks[key] = _LockInode()
+        return _MemLock(self, key, inode)
+
+    def remove_lock(self, key: str) -> bool:
+        return self._locks.pop(key, None) is not None
+
+    def segments(self) -> list[str]:
+        return sorted(self._segments)
+
+    def lock_files(self) -> list[str]:
+        return sorted(self._locks)
+
+    def sweep(self) -> list[str]:
+        removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
+        self._segments.clear()
+        self._locks.clear()
+        return removed

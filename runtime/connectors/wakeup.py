@@ -1,0 +1,171 @@
+"""Arrival wakeups (spec §2.9): a put hints the receivers of ``to_stage`` that a chunk landed.
+
+A wakeup is only a hint; correctness still comes from polling the exact key. Receivers take a
+generation snapshot *before* a poll pass and, when the pass made no progress, wait for that
+generation to change instead of sleeping, so a put landing mid-pass is never slept through.
+
+* :class:`LocalWakeups` — stages in one process: a counter and a kernel signal per stage.
+* :class:`FifoWakeups` — stages in different processes: one FIFO per receiver in
+  ``/dev/shm/omnisim-{ns}-wake/``; a sender writes one byte into every FIFO of ``to_stage``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import uuid
+from typing import Protocol
+
+from runtime.kernel import KSignal, current_kernel
+
+
+class Wakeups(Protocol):
+    def notify(self, to_stage: str) -> None:
+        """Hint every receiver of ``to_stage`` that something arrived."""
+        ...
+
+    def generation(self, stage: str) -> int | None:
+        """The receiver's wakeup counter, or None when wakeups are unavailable (keep polling)."""
+        ...
+
+    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the counter to move past ``generation``; True if it did."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalWakeups:
+    """Wakeups between the stages of one process."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, int] = {}
+        self._signals: dict[str, KSignal] = {}
+
+    def _signal(self, stage: str) -> KSignal:
+        sig = self._signals.get(stage)
+        if sig is None:
+            sig = self._signals[stage] = current_kernel().signal(f"wakeup.{stage}")
+            self._counters[stage] = 0
+        return sig
+
+    def notify(self, to_stage: str) -> None:
+        sig = self._signal(to_stage)
+        self._counters[to_stage] += 1
+        sig.notify()
+
+    def generation(self, stage: str) -> int | None:
+        self._signal(stage)
+        return self._counters[stage]
+
+    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
+        sig = self._signal(stage)
+        if self._counters[stage] == generation:
+            await sig.wait(timeout)
+        return self._counters[stage] != generation
+
+    def close(self) -> None:
+        return None
+
+
+class _FifoReceiver:
+    def __init__(self, path: str, read_fd: int, hold_fd: int) -> None:
+        self.path = path
+        self.read_fd = read_fd
+        self.hold_fd = hold_fd
+        self.counter = 0
+
+    def drain(self) -> bool:
+        got = False
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 4096)
+            except BlockingIOError:
+                return got
+            if not chunk:
+                return got
+            got = True
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.hold_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class FifoWakeups:
+    """Cross-process wakeups through FIFOs under ``/dev/shm/omnisim-{namespace}-wake``."""
+
+    def __init__(self, namespace: str, shm_dir: str = "/dev/shm") -> None:
+        self.directory = os.path.join(shm_dir, f"omnisim-{namespace}-wake")
+        self._receivers: dict[str, _FifoReceiver] = {}
+        self._closed = False
+
+    def _receiver(self, stage: str) -> _FifoReceiver | None:
+        if self._closed or not stage.isdigit():
+            return None
+        rx = self._receivers.get(stage)
+        if rx is not None:
+            return rx
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        path = os.path.join(self.directory, f"{stage}_{uuid.uuid4().hex}")
+        os.mkfifo(path, 0o600)
+        read_fd = hold_fd = -1
+        try:
+            read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # The hold end keeps the FIFO from reporting EOF (a spin) while no sender has it open.
+            hold_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            for fd in (read_fd, hold_fd):
+                if fd >= 0:
+                    os.close(fd)
+            os.unlink(path)
+            return None
+        rx = self._receivers[stage] = _FifoReceiver(path, read_fd, hold_fd)
+        return rx
+
+    def notify(self, to_stage: str) -> None:
+        if not to_stage.isdigit():
+            return
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if not name.startswith(f"{to_stage}_"):
+                continue
+            try:
+                fd = os.open(os.path.join(self.directory, name), os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    os.write(fd, b"\0")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def generation(self, stage: str) -> int | None:
+        rx = self._receiver(stage)
+        return None if rx is None else rx.counter
+
+    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
+        rx = self._receivers.get(stage)
+        if rx is None or self._closed:
+            return False
+        if rx.counter == generation:
+            if rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout):
+                rx.drain()
+                rx.counter += 1
+        return rx.counter != generation
+
+    def close(self) -> None:
+        self._closed = True
+        for rx in self._receivers.values():
+            rx.close()
+        self._receivers.clear()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)

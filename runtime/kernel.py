@@ -1,0 +1,113 @@
+"""The kernel seam: the one way runtime code waits, locks, sleeps, spawns or reads the clock.
+
+Runtime code never imports trio's blocking primitives, ``threading`` or ``time``. It asks the
+*current kernel* (a context variable) instead::
+
+    k = current_kernel()
+    await k.point("shm.put.begin", key=key)    # a place where another task may interleave
+    async with self._lock: ...                 # a kernel lock made by k.lock(name)
+
+Two kernels implement this interface: :class:`runtime.real_kernel.RealKernel` (plain trio, real
+clock; points are free) and ``omnisim.sim_kernel.SimKernel`` (one logical task at a time, each
+point a scheduling decision taken by a strategy, virtual time). Runtime code never asks which one
+it runs on.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+#: Attribute values a point may carry. Kept to scalars so traces are canonical.
+Attr = str | int | bool | None
+
+
+class KLock(Protocol):
+    """A mutual-exclusion lock. Only ``async with`` is used by the runtime."""
+
+    async def __aenter__(self) -> None: ...
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+class KSignal(Protocol):
+    """A wake-up signal, the runtime's condition variable.
+
+    ``wait`` registers the caller *before* it gives up control, so a state check followed by
+    ``wait`` (with no await between them) cannot miss a ``notify``.
+    """
+
+    def notify(self) -> None:
+        """Wake every task currently waiting."""
+        ...
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait until notified or ``timeout`` seconds pass; True if notified."""
+        ...
+
+
+class KTaskGroup(Protocol):
+    def start_soon(self, fn: Callable[[], Awaitable[object]], *, name: str) -> None: ...
+
+
+class Kernel(Protocol):
+    """Everything the runtime needs from the world that can block, interleave or be timed."""
+
+    async def point(self, name: str, /, **attrs: Attr) -> None:
+        """A named place where another task may run; may raise an injected fault."""
+        ...
+
+    def note(self, name: str, /, **attrs: Attr) -> None:
+        """Record an observation (no scheduling decision). Free on the real kernel."""
+        ...
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+    def lock(self, name: str) -> KLock: ...
+
+    def signal(self, name: str) -> KSignal: ...
+
+    def task_group(self) -> AbstractAsyncContextManager[KTaskGroup]:
+        """A scope whose tasks all finish (or are cancelled) before it exits."""
+        ...
+
+    async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
+        """Run blocking work; ``cost`` (bytes touched) lets a kernel move large work off-loop."""
+        ...
+
+    async def wait_readable(self, fd: int, timeout: float) -> bool:
+        """Wait until ``fd`` is readable or ``timeout`` passes; True if readable."""
+        ...
+
+
+_current: contextvars.ContextVar[Kernel | None] = contextvars.ContextVar("omnisim_kernel", default=None)
+
+
+def current_kernel() -> Kernel:
+    """The kernel of the running context; a RealKernel when none was installed."""
+    k = _current.get()
+    if k is None:
+        from runtime.real_kernel import RealKernel
+
+        k = RealKernel()
+        _current.set(k)
+    return k
+
+
+@contextmanager
+def use_kernel(kernel: Kernel) -> Iterator[Kernel]:
+    """Install ``kernel`` as the current kernel for the duration of the block."""
+    token = _current.set(kernel)
+    try:
+        yield kernel
+    finally:
+        _current.reset(token)
+
+

@@ -1,0 +1,144 @@
+"""The Talker (stage 1) → Code2Wav (stage 2) edge with synthetic codec payloads.
+
+No models: the Talker's output for one chunk is a ``[16, n]`` block of codec frames and the
+Code2Wav side records how many frames each committed chunk carried. The pieces here play the
+roles of the AR scheduler (:func:`produce`), the generation scheduler (:func:`consume`) and the
+orchestrator (:func:`abort`, :func:`release`), each through the adapter's public API only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from invariants.observed import Stream
+from omnisim.world import Stage, World
+from runtime.kernel import current_kernel
+from runtime.request import Request, RequestStatus
+
+TALKER = 1
+CODE2WAV = 2
+NUM_CODEBOOKS = 16
+#: How long the consumer waits for a chunk before it looks at failures and aborts again.
+CONSUMER_WAIT_S = 0.05
+
+
+def codec_frames(n: int, offset: int = 0) -> torch.Tensor:
+    """``n`` synthetic codec frames, codebook-major ``[16, n]``, distinct per frame index."""
+    frame = torch.arange(offset, offset + n, dtype=torch.int64)
+    return (frame.unsqueeze(0) * NUM_CODEBOOKS + torch.arange(NUM_CODEBOOKS).unsqueeze(1)) % 2048
+
+
+def synthetic_codec_chunk(
+    transfer_manager: Any, multimodal_output: dict[str, Any], request: Request, is_finished: bool
+) -> dict[str, Any] | None:
+    """The processor: one chunk of codec frames, or nothing when no frame is new."""
+    frames = multimodal_output.get("frames")
+    if frames is None or frames.shape[1] == 0:
+        return None
+    return {"codes": {"audio": frames}, "meta": {"left_context_size": 0}}
+
+
+def edge_world(store_kind: str) -> World:
+    world = World(store_kind)
+    world.add_stage(TALKER, processor=synthetic_codec_chunk)
+    world.add_stage(CODE2WAV)
+    return world
+
+
+class EdgeRequest:
+    """One client request across the edge: the Talker's and Code2Wav's views and the stream."""
+
+    def __init__(self, world: World, ext: str, name: str | None = None) -> None:
+        name = name or ext
+        self.world = world
+        self.ext = ext
+        self.sender = Request(f"{name}-talker", ext)
+        self.receiver = Request(f"{name}-code2wav", ext)
+        self.stream: Stream = world.stream(self.receiver.request_id, ext)
+        world.requests.append(self)
+
+    @property
+    def talker(self) -> Stage:
+        return self.world.stages[TALKER]
+
+    @property
+    def code2wav(self) -> Stage:
+        return self.world.stages[CODE2WAV]
+
+
+async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = True) -> bool:
+    """Send one chunk per entry of ``chunk_frames``; the last one is the terminal if ``finish``.
+
+    Returns False as soon as a chunk is refused (the orchestrator then fails the request).
+    """
+    offset = 0
+    for i, n in enumerate(chunk_frames):
+        if req.stream.outcome != "open":
+            return False
+        if finish and i == len(chunk_frames) - 1:
+            req.sender.status = RequestStatus.FINISHED_STOPPED
+        req.sender.num_computed_tokens += n
+        accepted = await req.talker.adapter.save_async({"frames": codec_frames(n, offset)}, req.sender)
+        if not accepted:
+            await fail(req, "refused by save_async")
+            return False
+        req.stream.frames_sent += n
+        offset += n
+    return True
+
+
+async def consume(req: EdgeRequest) -> None:
+    """The Code2Wav side of one request: register, wait for each chunk, record it, until the
+    terminal arrives or the request ends otherwise; then free the request."""
+    adapter = req.code2wav.adapter
+    request = req.receiver
+    while req.stream.outcome == "open":
+        await adapter.load_async(request)
+        while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
+            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+            await check_failures(req.world)
+        if req.stream.outcome != "open":
+            return
+        codes = (request.additional_information or {}).get("codes", {})
+        audio = codes.pop("audio", None)
+        frames = int(audio.shape[1]) if isinstance(audio, torch.Tensor) and audio.ndim >= 2 else 0
+        finished = adapter.is_done_receiving_chunks(request.request_id)
+        req.stream.chunks.append((frames, finished))
+        if finished:
+            req.stream.outcome = "finished"
+    await adapter.finish_requests([request])
+
+
+async def abort(req: EdgeRequest) -> None:
+    """The orchestrator's abort: both stages finish the request; the client sees it aborted."""
+    k = current_kernel()
+    await k.point("orch.abort.begin", req=req.ext)
+    if req.stream.outcome == "open":
+        req.stream.outcome = "aborted"
+    await req.talker.adapter.finish_requests([req.sender])
+    await req.code2wav.adapter.finish_requests([req.receiver])
+    await k.point("orch.abort.end", req=req.ext)
+
+
+async def fail(req: EdgeRequest, reason: str) -> None:
+    """A send failure ends the request with an error instead of a hang (#4855 R1.2)."""
+    current_kernel().note("orch.fail", req=req.ext, reason=reason)
+    if req.stream.outcome == "open":
+        req.stream.outcome = "failed"
+    await req.talker.adapter.finish_requests([req.sender])
+    await req.code2wav.adapter.finish_requests([req.receiver])
+
+
+async def check_failures(world: World) -> None:
+    """Drain the Talker's send-failure channel and fail the requests it names."""
+    failed = world.stages[TALKER].adapter.collect_failed_send_request_ids()
+    for req in world.requests:
+        if req.sender.request_id in failed:
+            await fail(req, failed[req.sender.request_id])
+
+
+async def release(req: EdgeRequest) -> None:
+    """The orchestrator's final sweep once no stage needs the request (spec §2.11)."""
+    await req.talker.adapter.release_shm_resources(req.ext)

@@ -1,0 +1,65 @@
+"""Shared test fixtures.
+
+Every test must leave /dev/shm as it found it. The autouse fixture below gives every
+``PosixStore()`` made during a test a namespace that names this pytest process, then checks
+that nothing with that prefix is left behind afterwards (and removes whatever was, so one
+failure does not cascade). Entries of other namespaces are left alone: another test run on the
+same machine may own them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from runtime.connectors import posix_store  # noqa: E402
+
+SHM_DIR = "/dev/shm"
+#: Namespaces made by this process: "t<pid hex>n<counter>" ("n" is not a hex digit, so the
+#: prefix of one process is never a prefix of another's).
+NAMESPACE_PREFIX = f"t{os.getpid():x}n"
+_counter = itertools.count()
+
+
+def fresh_namespace() -> str:
+    """A namespace owned by this test process, valid for PosixStore and FifoWakeups."""
+    ns = f"{NAMESPACE_PREFIX}{next(_counter)}"
+    assert posix_store.NAMESPACE_PATTERN.fullmatch(ns), ns
+    return ns
+
+
+def _ours() -> set[str]:
+    stem = f"omnisim-{NAMESPACE_PREFIX}"
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(stem)}
+
+
+def _remove(name: str) -> None:
+    path = os.path.join(SHM_DIR, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.fixture(autouse=True)
+def shm_leak_check(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail a test that leaves any of this process's names in /dev/shm."""
+    monkeypatch.setattr(posix_store, "new_namespace", fresh_namespace)
+    before = _ours()
+    yield
+    leaked = sorted(_ours() - before)
+    for name in leaked:
+        _remove(name)
+    assert not leaked, f"test left entries in {SHM_DIR}: {leaked}"

@@ -1,0 +1,484 @@
+"""ShmConnector under the real kernel (plain trio), over both stores (spec §2.3–§2.7, §2.10)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+import runtime.connectors.shm as shm_module
+from runtime.connectors.keys import InvalidKeyError
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
+from runtime.connectors.stores import MemoryStore, Store
+from runtime.connectors.wire import WireDecodeError, encode
+
+
+@pytest.fixture(params=["memory", "posix"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    s: Store = MemoryStore() if request.param == "memory" else PosixStore()
+    yield s
+    s.sweep()
+
+
+def residue(store: Store) -> tuple[list[str], list[str]]:
+    return store.segments(), store.lock_files()
+
+
+def pending(conn: ShmConnector) -> list[str]:
+    return conn.residue()["pending_keys"]
+
+
+async def put(conn: ShmConnector, key: str, data: object, to_stage: str = "1") -> None:
+    result = await conn.put("0", to_stage, key, data)
+    assert result.ok, f"put of {key} failed"
+
+
+async def get(conn: ShmConnector, key: str) -> Any:
+    got = await conn.get("0", "1", key)
+    assert got is not None, f"get of {key} returned None"
+    return got[0]
+
+
+# -- put / get -------------------------------------------------------------------------------
+
+
+async def test_put_get_round_trip(store: Store) -> None:
+    conn = ShmConnector(store, stage_id=0)
+    payload = {
+        "codes": {"audio": torch.arange(32, dtype=torch.int64).reshape(2, 16)},
+        "meta": {"finished": torch.tensor(False), "left_context_size": 25},
+        "arr": np.linspace(0, 1, 5, dtype=np.float32),
+    }
+    result = await conn.put("0", "1", "R_0_0", payload)
+    assert result.ok
+    assert result.size > 0
+    assert result.metadata == {"shm": {"name": "R_0_0", "size": result.size}, "size": result.size}
+    assert pending(conn) == ["R_0_0"]
+    assert residue(store) == (["R_0_0"], ["R_0_0"])  # the writer leaves its lock file
+
+    got = await conn.get("0", "1", "R_0_0")
+    assert got is not None
+    obj, size = got
+    assert size == result.size
+    assert torch.equal(obj["codes"]["audio"], payload["codes"]["audio"])
+    assert obj["meta"]["finished"].item() is False
+    assert obj["meta"]["left_context_size"] == 25
+    np.testing.assert_array_equal(obj["arr"], payload["arr"])
+    assert pending(conn) == []  # a shared instance forgets the key it consumed
+    assert residue(store) == ([], [])
+    assert await conn.get("0", "1", "R_0_0") is None
+    assert conn.health() == {"status": "healthy", "puts": 1, "gets": 1, "bytes_transferred": result.size}
+
+
+async def test_get_by_metadata_handle(store: Store) -> None:
+    conn = ShmConnector(store)
+    meta = (await conn.put("0", "1", "A_0_0", "a")).metadata
+    await put(conn, "B_0_0", "b")
+    await put(conn, "C_0_0", "c")
+    assert await conn.get("0", "1", "ignored", meta) == ("a", meta["size"])
+    got_b = await conn.get("0", "1", "ignored", {"get_key": "B_0_0"})
+    assert got_b is not None and got_b[0] == "b"
+    for junk in (None, {}, {"source_host": "h", "source_port": 1}, {"shm": "nope"}):
+        await put(conn, "C_0_0", "c")
+        got_c = await conn.get("0", "1", "C_0_0", junk)
+        assert got_c is not None and got_c[0] == "c"
+    assert residue(store) == ([], [])
+
+
+async def test_get_missing_returns_none(store: Store) -> None:
+    conn = ShmConnector(store)
+    assert await conn.get("0", "1", "nothing_0_0") is None
+    assert residue(store) == ([], [])
+
+
+async def test_put_replaces_unread_data(store: Store) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_0_0", {"v": torch.zeros(1000)})
+    await put(conn, "R_0_0", {"v": 2})
+    assert pending(conn) == ["R_0_0"]
+    assert residue(store) == (["R_0_0"], ["R_0_0"])
+    assert await get(conn, "R_0_0") == {"v": 2}
+    assert await conn.get("0", "1", "R_0_0") is None
+    assert residue(store) == ([], [])
+
+
+async def test_get_of_locked_key_returns_none(store: Store) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    await put(producer, "R_0_0", [1, 2, 3])
+    lock = store.open_lock("R_0_0", create=False)
+    assert lock is not None
+    assert lock.try_acquire()
+    try:
+        for _ in range(3):
+            assert await consumer.get("0", "1", "R_0_0") is None
+        assert residue(store) == (["R_0_0"], ["R_0_0"])  # nothing consumed, nothing removed
+    finally:
+        lock.close()
+    assert await get(consumer, "R_0_0") == [1, 2, 3]
+    assert residue(store) == ([], [])
+
+
+async def test_get_without_lock_file_returns_none(store: Store) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_0_0", "x")
+    store.remove_lock("R_0_0")
+    assert await conn.get("0", "1", "R_0_0") is None
+    assert store.segments() == ["R_0_0"]
+    await conn.close()
+    assert residue(store) == ([], [])
+
+
+async def test_consumed_undecodable_payload_removes_lock_and_segment(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_0_0", {"x": 1})
+
+    def broken_decode(buf: object) -> object:
+        raise WireDecodeError("injected")
+
+    monkeypatch.setattr(shm_module, "decode", broken_decode)
+    assert await conn.get("0", "1", "R_0_0") is None
+    assert residue(store) == ([], [])
+    assert await conn.get("0", "1", "R_0_0") is None
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"XXXX" + bytes(60),
+        encode({"t": torch.arange(100)})[:80],
+        b"OMW1\xff\xff\xff\xff" + bytes(56),
+        encode({"t": torch.arange(1 << 20)})[:-8],  # 8 MB: decoded on a worker thread
+    ],
+    ids=["bad_magic", "truncated", "header_past_end", "large_truncated"],
+)
+async def test_consumed_corrupt_segment_removes_lock_and_segment(
+    store: Store, garbage: bytes, request: pytest.FixtureRequest
+) -> None:
+    """A real corrupt frame (not a patched decoder): get returns None, never raises, and the
+    consumed bytes take both the segment and the lock file with them."""
+    seg = store.create_segment("R_0_0", len(garbage))
+    seg.buffer[:] = garbage
+    seg.close()
+    lock = store.open_lock("R_0_0", create=True)
+    assert lock is not None
+    lock.close()
+    conn = ShmConnector(store)
+    assert await conn.get("0", "1", "R_0_0") is None
+    assert residue(store) == ([], [])
+
+
+@pytest.mark.parametrize("payload", [{}, 0, [], "", None, False], ids=repr)
+async def test_falsy_payload_removes_lock_file(store: Store, payload: object) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    await put(producer, "R_0_0", payload)
+    got = await consumer.get("0", "1", "R_0_0")
+    assert got is not None
+    assert got[0] == payload and type(got[0]) is type(payload)
+    assert residue(store) == ([], [])
+
+
+async def test_invalid_key_raises(store: Store) -> None:
+    conn = ShmConnector(store)
+    for key in ("a/b", "", "x" * 300, ".."):
+        with pytest.raises(InvalidKeyError):
+            await conn.put("0", "1", key, 1)
+        with pytest.raises(InvalidKeyError):
+            await conn.get("0", "1", key)
+        with pytest.raises(InvalidKeyError):
+            await conn.cleanup(key)
+    assert pending(conn) == []
+    assert residue(store) == ([], [])
+
+
+UNENCODABLE = {
+    "object": lambda: {"bad": object()},
+    "set": lambda: [{1, 2}],
+    "int_too_big": lambda: 1 << 80,
+    "sparse_tensor": lambda: {"t": torch.eye(2).to_sparse()},
+    "meta_tensor": lambda: {"t": torch.empty(2, device="meta")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNENCODABLE))
+async def test_unencodable_payload_fails_cleanly(store: Store, name: str) -> None:
+    """put never raises for a payload problem: it reports failure and leaves nothing."""
+    conn = ShmConnector(store)
+    await put(conn, "R_0_0", "earlier")
+    result = await conn.put("0", "1", "R_0_1", UNENCODABLE[name]())
+    assert result == (False, 0, None)
+    assert pending(conn) == ["R_0_0"]
+    assert residue(store) == (["R_0_0"], ["R_0_0"])
+    assert conn.health()["puts"] == 1
+    await conn.close()
+
+
+# -- store full ------------------------------------------------------------------------------
+
+
+def make_frames_huge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every frame claim 1 PiB, so PosixStore's posix_fallocate meets a real ENOSPC."""
+    monkeypatch.setattr(
+        shm_module.EncodedFrame, "size", property(lambda self: 1 << 50, lambda self, v: None), raising=False
+    )
+
+
+async def test_store_full_put_fails_and_leaves_nothing() -> None:
+    store = MemoryStore(capacity=100)
+    conn = ShmConnector(store)
+    result = await conn.put("0", "1", "R_0_0", {"t": torch.zeros(1000)})
+    assert result == (False, 0, None)
+    assert not result.ok
+    assert pending(conn) == []
+    assert residue(store) == ([], [])
+    await put(conn, "R_0_1", 1)  # a small one still fits
+    assert residue(store) == (["R_0_1"], ["R_0_1"])
+
+
+async def test_posix_store_full_put_fails_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = PosixStore()
+    try:
+        conn = ShmConnector(store)
+        # A frame too large for /dev/shm: the reservation fails before anything is mapped.
+        big = torch.empty(0)
+        make_frames_huge(monkeypatch)
+        result = await conn.put("0", "1", "R_0_0", {"t": big})
+        assert result == (False, 0, None)
+        assert pending(conn) == []
+        assert residue(store) == ([], [])
+    finally:
+        store.sweep()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "memory",
+        "posix",
+    ],
+)
+async def test_store_full_replace_leaves_nothing(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed put that would have replaced unread data leaves neither segment nor lock file
+    (spec §2.3 step 9: the failed create removes the lock file; the old segment was replaced)."""
+    store: Store = MemoryStore(capacity=4096) if kind == "memory" else PosixStore()
+    try:
+        conn = ShmConnector(store)
+        await put(conn, "R_0_0", "small")
+        if kind == "memory":
+            result = await conn.put("0", "1", "R_0_0", {"t": torch.zeros(2000)})
+        else:
+            make_frames_huge(monkeypatch)
+            result = await conn.put("0", "1", "R_0_0", "big")
+        assert not result.ok
+        segments, locks = residue(store)
+        assert locks == []
+        # Whatever the store did with the old segment, it must not be a segment without a
+        # lock file (unreadable by any get, invisible to the producer's reap).
+        assert segments == []
+    finally:
+        store.sweep()
+
+
+# -- cleanup ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ["_1_2", "_1", "_suffix"])
+async def test_cleanup_is_exact_key(store: Store, suffix: str) -> None:
+    conn = ShmConnector(store)
+    sibling = f"task{suffix}_1_0"
+    await put(conn, "task_1_0", "mine")
+    await put(conn, sibling, "sibling")
+    assert await conn.cleanup("task") is False  # a raw request id matches nothing
+    assert await conn.cleanup("task_1") is False
+    assert await conn.cleanup("task_1_0") is True
+    assert await conn.cleanup("task_1_0") is False
+    assert pending(conn) == [sibling]
+    assert residue(store) == ([sibling], [sibling])
+    assert await get(conn, sibling) == "sibling"
+    assert residue(store) == ([], [])
+
+
+async def test_cleanup_removes_lock_file_of_consumed_key_and_reports_no_unlink(store: Store) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    await put(producer, "R_1_0", 1)
+    assert await get(consumer, "R_1_0") == 1
+    assert await producer.cleanup("R_1_0") is False
+    assert pending(producer) == []
+    store.open_lock("R_1_0", create=True).close()  # type: ignore[union-attr]
+    assert await producer.cleanup("R_1_0") is False
+    assert residue(store) == ([], [])
+
+
+async def test_cleanup_prefix_integer_suffix_rule(store: Store) -> None:
+    conn = ShmConnector(store)
+    keys = ["R_1_0", "R_1_12", "R_1_2_0", "R_1_x", "R_10_0", "R_1_", "Q_1_0"]
+    for key in keys:
+        await put(conn, key, key)
+    assert await conn.cleanup_prefix("R_1_") == 2
+    assert sorted(pending(conn)) == sorted(set(keys) - {"R_1_0", "R_1_12"})
+    assert store.segments() == sorted(set(keys) - {"R_1_0", "R_1_12"})
+    assert await get(conn, "R_1_2_0") == "R_1_2_0"
+    assert await conn.cleanup_prefix("R_1_") == 0
+    await conn.close()
+    assert residue(store) == ([], [])
+
+
+async def test_cleanup_prefix_counts_only_real_unlinks(store: Store) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    for i in range(3):
+        await put(producer, f"R_1_{i}", i)
+    assert await get(consumer, "R_1_1") == 1  # consumed elsewhere: still tracked by producer
+    assert await producer.cleanup_prefix("R_1_") == 2
+    assert pending(producer) == []
+    assert residue(store) == ([], [])
+
+
+async def test_cleanup_prefix_ignores_untracked_keys(store: Store) -> None:
+    producer, other = ShmConnector(store), ShmConnector(store)
+    await put(other, "R_1_0", 0)
+    assert await producer.cleanup_prefix("R_1_") == 0  # never a directory scan
+    assert store.segments() == ["R_1_0"]
+    await other.close()
+
+
+# -- reap ------------------------------------------------------------------------------------
+
+
+async def test_reap_rotates_past_unread_keys(store: Store) -> None:
+    a, b = ShmConnector(store), ShmConnector(store)
+    for i in range(130):
+        await put(a, f"k_{i}", i)
+    assert len(pending(a)) == 130
+    for i in range(65, 130):
+        assert await get(b, f"k_{i}") == i
+    for _ in range(3):
+        a.reap_consumed()
+    left = pending(a)
+    assert len(left) == 65
+    assert set(left) == {f"k_{i}" for i in range(65)}
+    assert await get(b, "k_0") == 0
+    a.reap_consumed()
+    assert len(pending(a)) == 64
+    await a.close()
+    assert residue(store) == ([], [])
+
+
+async def test_reap_examines_at_most_budget(store: Store) -> None:
+    a, b = ShmConnector(store), ShmConnector(store)
+    for i in range(10):
+        await put(a, f"k_{i}", i)
+    for i in range(10):
+        await get(b, f"k_{i}")
+    a.reap_consumed(max_keys=3)
+    assert len(pending(a)) == 7
+    a.reap_consumed(max_keys=0)
+    assert len(pending(a)) == 7
+    a.reap_consumed()
+    assert pending(a) == []
+    assert REAP_BUDGET == 64 and PUT_REAP_BUDGET == 4
+
+
+async def test_sender_reaps_keys_consumed_by_another_connector(store: Store) -> None:
+    sender, receiver = ShmConnector(store), ShmConnector(store)
+    worst = 0
+    for i in range(256):
+        await put(sender, f"R_1_{i}", {"i": i})
+        worst = max(worst, len(pending(sender)))
+        assert await get(receiver, f"R_1_{i}") == {"i": i}
+        worst = max(worst, len(pending(sender)))
+    assert worst <= 1
+    sender.reap_consumed()
+    assert pending(sender) == []
+    assert residue(store) == ([], [])
+
+
+async def test_put_reap_keeps_up_with_a_lagging_consumer(store: Store) -> None:
+    """With a consumer one put behind, the budget-4 reap inside put still bounds pending."""
+    sender, receiver = ShmConnector(store), ShmConnector(store)
+    worst = 0
+    for i in range(256):
+        await put(sender, f"R_1_{i}", i)
+        if i >= 2:
+            assert await get(receiver, f"R_1_{i - 2}") == i - 2
+        worst = max(worst, len(pending(sender)))
+    assert worst <= PUT_REAP_BUDGET
+    await sender.close()
+    assert residue(store) == ([], [])
+
+
+# -- close -----------------------------------------------------------------------------------
+
+
+async def test_close_removes_unread_keys(store: Store) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    for i in range(5):
+        await put(producer, f"R_1_{i}", i)
+    assert await get(consumer, "R_1_0") == 0
+    await producer.close()
+    assert residue(store) == ([], [])
+    assert pending(producer) == []
+    await producer.close()  # idempotent
+    assert await consumer.get("0", "1", "R_1_1") is None
+
+
+async def test_close_leaves_other_connectors_keys(store: Store) -> None:
+    a, b = ShmConnector(store), ShmConnector(store)
+    await put(a, "A_0_0", "a")
+    await put(b, "B_0_0", "b")
+    await a.close()
+    assert residue(store) == (["B_0_0"], ["B_0_0"])
+    await b.close()
+    assert residue(store) == ([], [])
+
+
+# -- large payloads take the worker-thread path ----------------------------------------------
+
+
+async def test_large_payload_round_trip(store: Store) -> None:
+    conn = ShmConnector(store)
+    big = torch.arange(2_000_000, dtype=torch.float32)  # 8 MB: above the off-loop threshold
+    result = await conn.put("0", "1", "R_0_0", {"big": big})
+    assert result.ok and result.size >= big.numel() * 4
+    got = await get(conn, "R_0_0")
+    assert torch.equal(got["big"], big)
+    assert residue(store) == ([], [])
+
+
+# -- a put racing a get of the same key ------------------------------------------------------
+
+
+def lock_is_held(store: Store, key: str) -> bool:
+    probe = store.open_lock(key, create=False)
+    if probe is None:
+        return False
+    try:
+        return not probe.try_acquire()
+    finally:
+        probe.close()
+
+
+async def test_put_waiting_on_a_reader_leaves_a_readable_payload(store: Store) -> None:
+    producer, consumer = ShmConnector(store), ShmConnector(store)
+    await put(producer, "R_0_0", {"big": torch.zeros(2_000_000)})  # 8 MB: decoded on a worker thread
+    first: list[Any] = []
+
+    async def reader() -> None:
+        first.append(await consumer.get("0", "1", "R_0_0"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        while not lock_is_held(store, "R_0_0"):
+            await trio.sleep(0)
+        await put(producer, "R_0_0", "second")  # waits for the reader's lock
+    assert first[0] is not None and torch.equal(first[0][0]["big"], torch.zeros(2_000_000))
+    try:
+        assert residue(store) == (["R_0_0"], ["R_0_0"])
+        assert await get(consumer, "R_0_0") == "second"
+    finally:
+        await producer.close()
