@@ -72,6 +72,11 @@ class Stream:
     frames_sent: int = 0
     chunks: list[tuple[int, bool]] = field(default_factory=list)  # (frames, finished)
     outcome: str = "open"  # open | finished | aborted | failed
+    #: Outcomes this request may legitimately end with (an abort may race the terminal).
+    allowed_outcomes: frozenset[str] = frozenset({"finished"})
+    #: False where the sender stage is finished externally: its queued chunks may be vetoed, but
+    #: the terminal must still arrive (#6670).
+    complete_required: bool = True
 
     @property
     def frames_received(self) -> int:
@@ -87,5 +92,7 @@ class ObservedWorld:
     stop_detail: str = ""
     stopped_tasks: list[TaskState] = field(default_factory=list)
     crashes: list[tuple[str, str]] = field(default_factory=list)
+    #: Violations a scenario's own probes saw during the run, by invariant id.
+    probe_failures: dict[str, list[str]] = field(default_factory=dict)
     #: Residue a scenario declares legitimate (structure name -> items), e.g. spec §3.6 O1.
     expected_residue: dict[str, set[str]] = field(default_factory=dict)

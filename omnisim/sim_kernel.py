@@ -135,6 +135,7 @@ class _SimSignal:
         me.wake_at = k.clock_us + _us(timeout)
         me.waiting_for = f"signal {self.name} (timeout {timeout}s)"
         self.waiters.append(me)
+        k._emit(me, "kernel.wait", {"on": f"signal:{self.name}"})
         await k._yield(me)
         if not me.notified and me in self.waiters:
             self.waiters.remove(me)
@@ -341,6 +342,7 @@ class SimKernel:
         me.state = SLEEPING
         me.wake_at = self.clock_us + _us(seconds)
         me.waiting_for = f"sleep until {me.wake_at / 1e6:g}s"
+        self._emit(me, "kernel.wait", {"on": "sleep"})
         await self._yield(me)
 
     def lock(self, name: str) -> _SimLock:

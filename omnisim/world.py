@@ -57,6 +57,12 @@ class World:
         self.expected_residue: dict[str, set[str]] = {}
         #: The scenario's request objects, for the orchestrator-side helpers.
         self.requests: list[Any] = []
+        self.probe_failures: dict[str, list[str]] = {}
+
+    def probe(self, invariant: str, ok: bool, message: str) -> None:
+        """Record a violation of ``invariant`` seen by the scenario itself during the run."""
+        if not ok:
+            self.probe_failures.setdefault(invariant, []).append(message)
 
     def add_stage(self, stage_id: int, *, processor: Processor | None = None) -> Stage:
         connector = ShmConnector(self.store, stage_id=stage_id, wakeups=self.wakeups)
@@ -99,6 +105,7 @@ class World:
             stopped_tasks=outcome.stopped_tasks,
             crashes=outcome.crashes,
             expected_residue=self.expected_residue,
+            probe_failures=self.probe_failures,
         )
 
     def sweep(self) -> list[str]:

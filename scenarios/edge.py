@@ -8,6 +8,7 @@ orchestrator (:func:`abort`, :func:`release`), each through the adapter's public
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class EdgeRequest:
     def __init__(self, world: World, ext: str, name: str | None = None) -> None:
         name = name or ext
         self.world = world
+        self.name = name
         self.ext = ext
         self.sender = Request(f"{name}-talker", ext)
         self.receiver = Request(f"{name}-code2wav", ext)
@@ -89,16 +91,24 @@ async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = T
     return True
 
 
-async def consume(req: EdgeRequest) -> None:
+async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) -> None:
     """The Code2Wav side of one request: register, wait for each chunk, record it, until the
-    terminal arrives or the request ends otherwise; then free the request."""
+    terminal arrives or the request ends otherwise; then free the request.
+
+    With ``input_deadline_s``, a stall that long (reset by every arrival) fails the request, as
+    the scheduler's input-wait deadline does (#4855 R1.1).
+    """
+    k = current_kernel()
     adapter = req.code2wav.adapter
     request = req.receiver
     while req.stream.outcome == "open":
         await adapter.load_async(request)
+        waiting_since = k.now()
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
             await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
             await check_failures(req.world)
+            if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
+                await fail(req, f"no chunk for {input_deadline_s}s")
         if req.stream.outcome != "open":
             return
         codes = (request.additional_information or {}).get("codes", {})
@@ -124,9 +134,10 @@ async def abort(req: EdgeRequest) -> None:
 
 async def fail(req: EdgeRequest, reason: str) -> None:
     """A send failure ends the request with an error instead of a hang (#4855 R1.2)."""
-    current_kernel().note("orch.fail", req=req.ext, reason=reason)
-    if req.stream.outcome == "open":
-        req.stream.outcome = "failed"
+    if req.stream.outcome != "open":
+        return  # already ended: finishing it again could cancel a newer generation of its id
+    current_kernel().note("orch.fail", req=req.name, reason=reason)
+    req.stream.outcome = "failed"
     await req.talker.adapter.finish_requests([req.sender])
     await req.code2wav.adapter.finish_requests([req.receiver])
 
@@ -137,6 +148,22 @@ async def check_failures(world: World) -> None:
     for req in world.requests:
         if req.sender.request_id in failed:
             await fail(req, failed[req.sender.request_id])
+
+
+async def together(*jobs: tuple[str, Callable[[], Awaitable[object]]]) -> None:
+    """Run named jobs as concurrent tasks and wait for all of them."""
+    async with current_kernel().task_group() as tasks:
+        for name, job in jobs:
+            tasks.start_soon(job, name=name)
+
+
+async def serve(req: EdgeRequest, chunk_frames: list[int], *, input_deadline_s: float | None = None) -> None:
+    """A whole request across the edge: produce and consume concurrently, then the final sweep."""
+    await together(
+        (f"{req.name}.consume", lambda: consume(req, input_deadline_s=input_deadline_s)),
+        (f"{req.name}.produce", lambda: produce(req, chunk_frames)),
+    )
+    await release(req)
 
 
 async def release(req: EdgeRequest) -> None:

@@ -166,7 +166,7 @@ class ShmConnector:
                 segment.close()
             lock.release()
             if consumed:
-                self.store.remove_lock(key)
+                self._remove_lock_after_read(key, decoded=error is None)
             lock.close()
         if error is not None:
             log.warning("dropped undecodable payload of %s: %s", key, error)
@@ -175,6 +175,11 @@ class ShmConnector:
         self._pending_keys.pop(key, None)
         self._gets += 1
         return obj, size
+
+    def _remove_lock_after_read(self, key: str, *, decoded: bool) -> None:
+        """The bytes were taken and the segment unlinked: the lock file goes too, decoded or not
+        (#8082 i; before, a falsy or undecodable payload leaked its lock file)."""
+        self.store.remove_lock(key)
 
     # -- cleanup and reap --------------------------------------------------------------------
 

@@ -24,14 +24,14 @@ import inspect
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from runtime.connectors.base import Connector
 from runtime.connectors.keys import chunk_key
-from runtime.kernel import current_kernel
+from runtime.kernel import KTaskGroup, current_kernel
 from runtime.request import Request
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class LoadEntry:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def __str__(self) -> str:
+        return f"entry {self.serial} of {self.request_id}"
+
     @property
     def external_req_id(self) -> str:
         return self.request.external_req_id
@@ -89,6 +92,9 @@ class SaveTask:
     new_token_ids: tuple[int, ...] | None
     segment_generation: int
     sender_token: SenderGeneration
+
+    def __str__(self) -> str:
+        return f"save {self.request.request_id} (generation {self.sender_token.serial})"
 
 
 @dataclass(eq=False)
@@ -105,6 +111,7 @@ class ReleaseTask:
     """Reclaim every tracked, unread chunk of ``ext`` (spec §2.11)."""
 
     ext: str
+    removed: int | None = None
 
 
 #: Reclaim work: it still runs when the loop stops, and it never carries a request.
@@ -127,20 +134,6 @@ def _snapshot(request: Request) -> Request:
             k: (dict(v) if isinstance(v, dict) else v) for k, v in request.additional_information.items()
         }
     return snap
-
-
-@dataclass
-class _FailureChannel:
-    """request id -> first reason; drained by the scheduler."""
-
-    reasons: dict[str, str] = field(default_factory=dict)
-
-    def record(self, request_id: str, reason: str) -> None:
-        self.reasons.setdefault(request_id, reason)
-
-    def drain(self) -> dict[str, str]:
-        out, self.reasons = self.reasons, {}
-        return out
 
 
 class ChunkTransferAdapter:
@@ -173,6 +166,7 @@ class ChunkTransferAdapter:
         self._processor_takes_new_ids = processor is not None and self._accepts_new_token_ids(processor)
         self._serials = 0
         self._stopped = False
+        self._tasks: KTaskGroup | None = None
 
         # Sender state, keyed by external id.
         self._sender_state_lock = k.lock(f"{name}.sender_state")
@@ -185,6 +179,7 @@ class ChunkTransferAdapter:
         self.ramp_chunk_count: dict[str, int] = {}
         self._pending_save_reqs: deque[SaveTask | ReclaimTask] = deque()
         self._save_cond = k.signal(f"{name}.save")
+        self._released = k.signal(f"{name}.released")
 
         # Receiver state, keyed by the stage-internal request id. Dicts with None values are
         # ordered sets: iteration order must not depend on PYTHONHASHSEED.
@@ -200,8 +195,9 @@ class ChunkTransferAdapter:
         #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
         self.chunk_ready = k.signal(f"{name}.chunk_ready")
 
-        self._send_failures = _FailureChannel()
-        self._receive_failures = _FailureChannel()
+        # Failure side channels: request id -> first reason, drained by the scheduler.
+        self._send_failures: dict[str, str] = {}
+        self._receive_failures: dict[str, str] = {}
 
     def _next_serial(self) -> int:
         self._serials += 1
@@ -228,13 +224,32 @@ class ChunkTransferAdapter:
         k = current_kernel()
         ext = request.external_req_id
         is_finished = force_request_finished or (request.is_finished() and not request.resumable)
-        await k.point("adapter.save_async", ext=ext, req=request.request_id, finished=is_finished)
         generation = segment_generation if segment_generation is not None else int(request.segment_generation or 0)
         confirmed = (
             confirmed_num_computed_tokens
             if confirmed_num_computed_tokens is not None
             else max(0, request.num_computed_tokens - request.num_output_placeholders)
         )
+        accepted = await self._enqueue_save(
+            multimodal_output, request, is_finished, is_segment_finished, new_token_ids, confirmed, generation
+        )
+        # The point comes after the enqueue: a scheduler's "is it still live? then save" is atomic
+        # with the enqueue, as it is on upstream's single scheduler thread.
+        await k.point("adapter.save_async", ext=ext, req=request.request_id, finished=is_finished, accepted=accepted)
+        return accepted
+
+    async def _enqueue_save(
+        self,
+        multimodal_output: Any,
+        request: Request,
+        is_finished: bool,
+        is_segment_finished: bool,
+        new_token_ids: list[int] | None,
+        confirmed: int,
+        generation: int,
+    ) -> bool:
+        k = current_kernel()
+        ext = request.external_req_id
         rejected: str | None = None
         async with self._sender_state_lock:
             expected = self.segment_generation.get(ext, generation)
@@ -431,8 +446,9 @@ class ChunkTransferAdapter:
     async def _run_release_task(self, task: ReleaseTask) -> None:
         k = current_kernel()
         await k.point("adapter.release.begin", ext=task.ext)
-        removed = await self.connector.cleanup_prefix(f"{task.ext}_{self.stage_id}_")
-        k.note("adapter.release.end", ext=task.ext, removed=removed)
+        task.removed = await self.connector.cleanup_prefix(f"{task.ext}_{self.stage_id}_")
+        k.note("adapter.release.end", ext=task.ext, removed=task.removed)
+        self._released.notify()
 
     # == sender: cleanup (never waits for I/O) ===================================================
 
@@ -444,13 +460,19 @@ class ChunkTransferAdapter:
             token = self._sender_tokens.get(ext)
             if token is None:
                 self._clear_sender_state_locked(ext)
-            elif token.terminal_pending:
+            elif self._fence_defers_cleanup(token):
                 token.cancelled = token.cleanup_deferred = True
             else:
                 token.cancelled = True
                 if not token.in_flight:
                     self._retire_generation_locked(ext, token)
         await k.point("adapter.cleanup_sender.end", ext=ext)
+
+    @staticmethod
+    def _fence_defers_cleanup(token: SenderGeneration) -> bool:
+        """While a terminal is queued, cleanup only marks the generation; the terminal task owes
+        the reclaim (the #6670 fence)."""
+        return token.terminal_pending
 
     def _retire_generation_locked(self, ext: str, token: SenderGeneration) -> None:
         # Queueing the reclaim and popping the token in one critical section is what puts every
@@ -479,17 +501,19 @@ class ChunkTransferAdapter:
         if self.stage_id <= 0 or not self.receives_chunks:
             return
         k = current_kernel()
-        await k.point("adapter.load_async", req=request.request_id)
         if request.additional_information is None:
             request.additional_information = {}
         async with self._receiver_state_lock:
-            if request.request_id in self._registered_load_entries:
-                return
-            entry = LoadEntry(self._next_serial(), request)
-            self._registered_load_entries[request.request_id] = entry
-            self._pending_load_reqs.append(entry)
-        k.note("adapter.register", req=request.request_id, entry=entry.serial)
-        self._recv_cond.notify()
+            entry = self._registered_load_entries.get(request.request_id)
+            if entry is None:
+                entry = LoadEntry(self._next_serial(), request)
+                self._registered_load_entries[request.request_id] = entry
+                self._pending_load_reqs.append(entry)
+                k.note("adapter.register", stage=self.stage_id, req=request.request_id, entry=entry.serial)
+                self._recv_cond.notify()
+        # After the registration, as on upstream's scheduler thread: "still live? then register"
+        # cannot be split by an abort.
+        await k.point("adapter.load_async", req=request.request_id)
 
     def _entry_is_current_locked(self, entry: LoadEntry, phase: str) -> bool:
         """Identity, not membership: a re-registered id has a new entry (spec §3.7)."""
@@ -521,6 +545,7 @@ class ChunkTransferAdapter:
             ok = self._commit_received_chunk(entry, result[0], chunk_id)
             if ok:
                 self._registered_load_entries.pop(req_id, None)
+                k.note("adapter.unregister", stage=self.stage_id, req=req_id, why="committed")
         if ok:
             self.chunk_ready.notify()
         return ok
@@ -538,7 +563,7 @@ class ChunkTransferAdapter:
             meta = {}
         finished = truthy_scalar(meta.get("finished"))
         segment_finished = truthy_scalar(meta.get("is_segment_finished"))
-        k.note("adapter.commit", req=req_id, entry=entry.serial, chunk=chunk_id, finished=finished)
+        k.note("adapter.commit", stage=self.stage_id, req=req_id, entry=entry.serial, chunk=chunk_id, finished=finished)
         if finished:
             self.upstream_exhausted_requests[req_id] = None
             request.resumable = False
@@ -594,6 +619,7 @@ class ChunkTransferAdapter:
         k = current_kernel()
         await k.point("adapter.cleanup_receiver.begin", req=request_id)
         async with self._receiver_state_lock:
+            k.note("adapter.unregister", stage=self.stage_id, req=request_id, why="cleanup")
             for structure in (
                 self._registered_load_entries,
                 self.get_req_chunk,
@@ -617,31 +643,52 @@ class ChunkTransferAdapter:
             await self.cleanup_receiver(request.request_id)
             await self.cleanup_sender(request.external_req_id)
 
-    async def release_shm_resources(self, ext: str) -> None:
+    async def finish_parked_streaming_session(self, request: Request) -> None:
+        """A streaming request parked between segments receives its terminal update (#6670 b).
+
+        The terminal chunk is queued *before* the request is finished, and only if this stage
+        still owns a sender generation for it — ownership starts at enqueue, so chunks queued but
+        not yet sent count (#6889 review).
+        """
+        if self.has_active_sender(request.external_req_id):
+            if request.segment_generation is not None:
+                request.segment_generation += 1
+            await self.save_async({}, request, force_request_finished=True)
+        await self.finish_requests([request])
+
+    async def release_shm_resources(self, ext: str) -> int:
         """Request-level final sweep (spec §2.11): reclaim chunks of ``ext`` that were sent but
-        never read, e.g. the fenced terminal of an aborted request.
+        never read, e.g. the fenced terminal of an aborted request; the number removed.
 
         Upstream runs it from another thread; here it is queued on the save FIFO like the abort
-        reclaim, so it runs after the request's last put and can never overtake the puts of a
-        generation that reuses ``ext`` later.
+        reclaim, so it runs after the request's last put and never overtakes the puts of a later
+        generation. It returns once the sweep ran, so an orchestrator that reuses ``ext`` after it
+        can be sure no stale chunk of the old generation is left for the new receiver to read.
         """
-        await current_kernel().point("adapter.release_shm_resources", ext=ext)
-        self._pending_save_reqs.append(ReleaseTask(ext))
+        task = ReleaseTask(ext)
+        self._pending_save_reqs.append(task)
         self._save_cond.notify()
+        while task.removed is None:
+            await self._released.wait(SAVE_IDLE_WAIT_S)
+        return task.removed
 
     # == failure side channels ===================================================================
 
     def record_send_failure(self, request_id: str, reason: str) -> None:
-        self._send_failures.record(request_id, reason)
+        self._send_failures.setdefault(request_id, reason)
 
     def record_receive_failure(self, request_id: str, reason: str) -> None:
-        self._receive_failures.record(request_id, reason)
+        self._receive_failures.setdefault(request_id, reason)
 
     def collect_failed_send_request_ids(self) -> dict[str, str]:
-        return self._send_failures.drain()
+        failed = dict(self._send_failures)
+        self._send_failures.clear()
+        return failed
 
     def collect_failed_receive_request_ids(self) -> dict[str, str]:
-        return self._receive_failures.drain()
+        failed = dict(self._receive_failures)
+        self._receive_failures.clear()
+        return failed
 
     # == background loops ========================================================================
 
@@ -699,6 +746,7 @@ class ChunkTransferAdapter:
         k = current_kernel()
         try:
             async with k.task_group() as tasks:
+                self._tasks = tasks
                 tasks.start_soon(self.save_loop, name=f"{self.name}.save")
                 tasks.start_soon(self.recv_loop, name=f"{self.name}.recv")
         finally:
@@ -712,19 +760,13 @@ class ChunkTransferAdapter:
     # == introspection ===========================================================================
 
     def residue(self) -> dict[str, list[str]]:
-        """Everything this adapter still holds, by structure name (empty lists omitted)."""
-        structures: dict[str, Any] = {
-            "sender_tokens": self._sender_tokens,
-            **{name: getattr(self, name) for name in self.SENDER_DICTS},
-            "pending_save_reqs": [repr(t) for t in self._pending_save_reqs],
-            "registered_load_entries": self._registered_load_entries,
-            "get_req_chunk": self.get_req_chunk,
-            "request_ids_mapping": self.request_ids_mapping,
-            "upstream_exhausted_requests": self.upstream_exhausted_requests,
-            "segment_finished_requests": self.segment_finished_requests,
-            "finished_load_reqs": self._finished_load_reqs,
-            "pending_load_reqs": [e.request_id for e in self._pending_load_reqs],
-            "send_failures": self._send_failures.reasons,
-            "receive_failures": self._receive_failures.reasons,
-        }
-        return {name: [str(x) for x in items] for name, items in structures.items() if items}
+        """Everything this adapter still holds, by structure name (empty structures omitted).
+
+        Every container attribute counts, so a structure added later (or by a mutant) cannot
+        hide from the no-tombstones check.
+        """
+        held: dict[str, list[str]] = {}
+        for name, value in vars(self).items():
+            if isinstance(value, (dict, set, deque, list)) and value:
+                held[name.lstrip("_")] = [str(item) for item in value]
+        return held

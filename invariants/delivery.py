@@ -1,0 +1,67 @@
+"""Delivery and progress invariants: streams end properly, aborts never wait, nothing hangs."""
+
+from __future__ import annotations
+
+from invariants import invariant
+from invariants.observed import ObservedWorld
+
+
+@invariant(
+    "terminal-delivered",
+    "every non-aborted stream delivers exactly one terminal chunk, last, and every frame sent",
+)
+def terminal_delivered(world: ObservedWorld) -> list[str]:
+    out = []
+    for s in world.streams.values():
+        if s.outcome == "open":
+            continue  # reported by liveness
+        if s.outcome not in s.allowed_outcomes:
+            out.append(f"request {s.request_id} ended {s.outcome}; expected {' or '.join(sorted(s.allowed_outcomes))}")
+            continue
+        if s.outcome != "finished":
+            continue
+        terminals = [i for i, (_, finished) in enumerate(s.chunks) if finished]
+        if len(terminals) != 1 or terminals[0] != len(s.chunks) - 1:
+            out.append(f"request {s.request_id} received terminal flags at chunks {terminals} of {len(s.chunks)}")
+        if s.frames_received > s.frames_sent or (s.complete_required and s.frames_received != s.frames_sent):
+            out.append(f"request {s.request_id} received {s.frames_received} codec frames of {s.frames_sent} sent")
+    return out
+
+
+ABORT_PATH = {"orch.abort.begin": "orch.abort.end", "adapter.cleanup_sender.begin": "adapter.cleanup_sender.end"}
+
+
+@invariant("abort-non-blocking", "an abort returns without waiting for connector I/O")
+def abort_non_blocking(world: ObservedWorld) -> list[str]:
+    out = []
+    inside: dict[str, list[str]] = {}  # task -> abort-path calls it is in, innermost last
+    for ev in world.trace:
+        calls = inside.setdefault(ev.task, [])
+        if ev.name in ABORT_PATH:
+            calls.append(f"{ev.name.removesuffix('.begin')}({', '.join(map(str, ev.attrs.values()))})")
+        elif ev.name in ABORT_PATH.values() and calls:
+            calls.pop()
+        elif ev.name in ("kernel.block", "kernel.wait") and calls:
+            out.append(f"{calls[-1]} in task {ev.task} waited on {ev.attrs.get('on')}")
+            calls.clear()
+    return out
+
+
+@invariant(
+    "liveness",
+    "every non-aborted request reaches its final output; a wait that can never end is a hang",
+)
+def liveness(world: ObservedWorld) -> list[str]:
+    out = []
+    if world.stop_reason in ("deadlock", "horizon", "step-limit"):
+        waiting = "; ".join(str(t) for t in world.stopped_tasks)
+        out.append(f"hang ({world.stop_reason}: {world.stop_detail}); tasks: {waiting}")
+    open_streams = [s.request_id for s in world.streams.values() if s.outcome == "open"]
+    if open_streams and not out:
+        out.append(f"requests never ended: {', '.join(open_streams)}")
+    return out
+
+
+@invariant("no-crash", "no runtime task dies with an exception")
+def no_crash(world: ObservedWorld) -> list[str]:
+    return [f"task {task} crashed: {tb.splitlines()[-1]}" for task, tb in world.crashes]

@@ -1,0 +1,168 @@
+"""Scenarios and mutants, registered by decorator — the same one a third-party plugin uses.
+
+A plugin is any module (by import name or file path) that applies :func:`scenario` or
+:func:`mutant` at import time; ``--plugin`` loads it. The built-in ones live in the ``scenarios``
+package and are loaded the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from omnisim.faults import FaultPlan
+from omnisim.world import UsageError, World
+
+BUILTIN_PLUGIN = "scenarios"
+
+#: What a run checks unless the scenario says otherwise.
+DEFAULT_INVARIANTS = (
+    "no-orphan-shm",
+    "no-orphan-lock",
+    "no-tombstones",
+    "exact-key-ownership",
+    "no-stale-commit",
+    "terminal-delivered",
+    "abort-non-blocking",
+    "liveness",
+    "no-crash",
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    issue: str
+    build: Callable[[str], World]
+    body: Callable[[World], Awaitable[None]]
+    constraints: tuple[str, ...] = ()
+    faults: Callable[[int], FaultPlan | None] = lambda seed: None
+    invariants: tuple[str, ...] = DEFAULT_INVARIANTS
+    horizon_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace attribute ``attr`` of ``owner`` (a class or module) by ``value`` while applied."""
+
+    owner: object
+    attr: str
+    value: object
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    summary: str
+    issue: str
+    patches: Callable[[], Iterator[Patch]]
+    #: Scenarios expected to detect it (used by ``omnisim mutants``).
+    scenarios: tuple[str, ...] = field(default=())
+
+
+SCENARIOS: dict[str, Scenario] = {}
+MUTANTS: dict[str, Mutant] = {}
+
+
+def scenario(
+    name: str,
+    *,
+    summary: str,
+    issue: str,
+    build: Callable[[str], World],
+    constraints: tuple[str, ...] = (),
+    faults: Callable[[int], FaultPlan | None] | None = None,
+    invariants: tuple[str, ...] = DEFAULT_INVARIANTS,
+    horizon_s: float = 20.0,
+) -> Callable[[Callable[[World], Awaitable[None]]], Callable[[World], Awaitable[None]]]:
+    """Register the decorated ``async def body(world)`` as scenario ``name``."""
+
+    def register(body: Callable[[World], Awaitable[None]]) -> Callable[[World], Awaitable[None]]:
+        if name in SCENARIOS:
+            raise UsageError(f"scenario {name!r} is registered twice")
+        SCENARIOS[name] = Scenario(
+            name, summary, issue, build, body, constraints, faults or (lambda seed: None), invariants, horizon_s
+        )
+        return body
+
+    return register
+
+
+def mutant(
+    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...]
+) -> Callable[[Callable[[], Iterator[Patch]]], Callable[[], Iterator[Patch]]]:
+    """Register the decorated generator of :class:`Patch` es as mutant ``name``."""
+
+    def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
+        if name in MUTANTS:
+            raise UsageError(f"mutant {name!r} is registered twice")
+        MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios)
+        return patches
+
+    return register
+
+
+@contextmanager
+def applied(m: Mutant | None) -> Iterator[None]:
+    """Apply a mutant's patches for the duration of the block (no-op for None)."""
+    if m is None:
+        yield
+        return
+    saved: list[tuple[object, str, object]] = []
+    try:
+        for p in m.patches():
+            saved.append((p.owner, p.attr, vars(p.owner)[p.attr] if isinstance(p.owner, type) else getattr(p.owner, p.attr)))
+            setattr(p.owner, p.attr, p.value)
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
+
+
+def load_plugin(spec: str) -> ModuleType:
+    """Import a plugin by module name or by the path of a ``.py`` file."""
+    try:
+        if spec.endswith(".py") or os.sep in spec:
+            path = os.path.abspath(spec)
+            if not os.path.isfile(path):
+                raise UsageError(f"plugin file {spec!r} does not exist")
+            mod_name = f"omnisim_plugin_{abs(hash(path)) & 0xFFFFFFFF:x}"
+            if mod_name in sys.modules:
+                return sys.modules[mod_name]
+            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            loader_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        raise UsageError(f"cannot load plugin {spec!r}: {e}") from e
+
+
+def load(plugins: list[str] | None = None) -> None:
+    """Load the built-in scenarios and mutants, then each plugin."""
+    load_plugin(BUILTIN_PLUGIN)
+    for spec in plugins or []:
+        load_plugin(spec)
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise UsageError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
+    return SCENARIOS[name]
+
+
+def get_mutant(name: str | None) -> Mutant | None:
+    if name is None:
+        return None
+    if name not in MUTANTS:
+        raise UsageError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
+    return MUTANTS[name]

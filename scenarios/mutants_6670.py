@@ -1,0 +1,69 @@
+"""Mutants for #6670: the terminal chunk never reaches Code2Wav (spec §8 #6670)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omnisim.registry import Patch, mutant
+from runtime.request import Request
+from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
+from runtime.transfer.adapter import SenderGeneration
+
+
+@mutant(
+    "no_terminal_fence",
+    summary="cleanup pops the generation while its terminal is queued: the terminal is discarded as stale",
+    issue="#6670 (a)",
+    scenarios=("abort_with_terminal_queued",),
+)
+def no_terminal_fence() -> Iterator[Patch]:
+    yield Patch(Adapter, "_fence_defers_cleanup", staticmethod(lambda token: False))
+
+
+@mutant(
+    "deferred_cleanup_only_on_success",
+    summary="the fence runs the deferred cleanup only after a successful terminal put: a failed one leaks the sender",
+    issue="#6670 (a)",
+    scenarios=("abort_with_terminal_queued",),
+)
+def deferred_cleanup_only_on_success() -> Iterator[Patch]:
+    def _runs_deferred_cleanup(deferred: bool, still_current: bool, token: SenderGeneration) -> bool:
+        return deferred and still_current and token.terminal_sent
+
+    yield Patch(Adapter, "_runs_deferred_cleanup", staticmethod(_runs_deferred_cleanup))
+
+
+@mutant(
+    "cancel_vetoes_terminal",
+    summary="a cancelled generation's terminal is vetoed like any chunk: downstream never learns the stream ended",
+    issue="#6670 (a)",
+    scenarios=("abort_with_terminal_queued",),
+)
+def cancel_vetoes_terminal() -> Iterator[Patch]:
+    yield Patch(Adapter, "_may_send", staticmethod(lambda token, is_terminal: not token.cancelled))
+
+
+@mutant(
+    "ownership_by_put_req_chunk",
+    summary="has_active_sender looks at put_req_chunk: chunks queued but not yet sent do not count, no terminal is sent",
+    issue="#6670 (b)",
+    scenarios=("parked_sender_terminal",),
+)
+def ownership_by_put_req_chunk() -> Iterator[Patch]:
+    yield Patch(Adapter, "has_active_sender", lambda self, ext: ext in self.put_req_chunk)
+
+
+@mutant(
+    "finish_before_force_terminal",
+    summary="the parked session is finished before its forced terminal is queued",
+    issue="#6670 (b)",
+    scenarios=("parked_sender_terminal",),
+)
+def finish_before_force_terminal() -> Iterator[Patch]:
+    async def finish_parked_streaming_session(self: Adapter, request: Request) -> None:
+        active = self.has_active_sender(request.external_req_id)
+        await self.finish_requests([request])
+        if active:
+            await self.save_async({}, request, force_request_finished=True)
+
+    yield Patch(Adapter, "finish_parked_streaming_session", finish_parked_streaming_session)

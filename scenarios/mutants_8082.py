@@ -1,0 +1,298 @@
+"""Mutants for #8082: each re-creates one historic bug of the reclaim protocol (spec §8 #8082)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from omnisim.registry import Patch, mutant
+from runtime.connectors.shm import ShmConnector
+from runtime.kernel import current_kernel
+from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
+from runtime.transfer.adapter import CleanupTask, LoadEntry, SenderGeneration
+
+_original = {name: vars(Adapter)[name] for name in vars(Adapter)}
+
+
+@mutant(
+    "num_puts_after_success",
+    summary="record the key range only after a successful put: the raced or raised key escapes the reclaim",
+    issue="#8082 (a)",
+    scenarios=("abort_during_put", "terminal_success_vs_failure"),
+)
+def num_puts_after_success() -> Iterator[Patch]:
+    async def _put_chunk(self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any) -> bool:
+        ok, _, _ = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
+        if ok:
+            token.num_puts = chunk_id + 1
+        return ok
+
+    yield Patch(Adapter, "_put_chunk", _put_chunk)
+
+
+@mutant(
+    "cleanup_waits_for_io",
+    summary="the abort waits for the in-flight put to finish before it returns",
+    issue="#8082 (a)",
+    scenarios=("abort_during_put",),
+)
+def cleanup_waits_for_io() -> Iterator[Patch]:
+    original = _original["cleanup_sender"]
+
+    async def cleanup_sender(self: Adapter, ext: str) -> None:
+        token = self._sender_tokens.get(ext)
+        while token is not None and token.in_flight:
+            await current_kernel().sleep(0.001)
+        await original(self, ext)
+
+    yield Patch(Adapter, "cleanup_sender", cleanup_sender)
+
+
+@mutant(
+    "cleanup_on_scheduler_thread",
+    summary="the abort reclaims the keys itself on the caller's task instead of queueing the reclaim",
+    issue="#8082 (a)",
+    scenarios=("id_reuse_after_cancel", "abort_during_put"),
+)
+def cleanup_on_scheduler_thread() -> Iterator[Patch]:
+    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
+        if token.num_puts and not token.terminal_sent:
+            self.__dict__.setdefault("_direct_cleanups", []).append(
+                CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
+            )
+
+    async def run_direct(self: Adapter) -> None:
+        direct = self.__dict__.get("_direct_cleanups", [])
+        while direct:
+            await self._run_cleanup_task(direct.pop(0))
+
+    original_cleanup, original_send = _original["cleanup_sender"], _original["_send_single_request"]
+
+    async def cleanup_sender(self: Adapter, ext: str) -> None:
+        await original_cleanup(self, ext)
+        await run_direct(self)
+
+    async def _send_single_request(self: Adapter, task: Any) -> None:
+        await original_send(self, task)
+        await run_direct(self)
+
+    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+    yield Patch(Adapter, "cleanup_sender", cleanup_sender)
+    yield Patch(Adapter, "_send_single_request", _send_single_request)
+
+
+@mutant(
+    "cleanup_on_separate_queue",
+    summary="the reclaim runs on its own task instead of the save FIFO, so it can overtake a reusing generation",
+    issue="#8082 (b)",
+    scenarios=("id_reuse_after_cancel",),
+)
+def cleanup_on_separate_queue() -> Iterator[Patch]:
+    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
+        if token.num_puts and not token.terminal_sent and self._tasks is not None:
+            task = CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
+
+            async def reclaim() -> None:
+                await current_kernel().sleep(0.01)
+                await self._run_cleanup_task(task)
+
+            self._tasks.start_soon(reclaim, name=f"{self.name}.reclaim")
+
+    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+
+
+@mutant(
+    "pop_token_before_enqueue",
+    summary="the token is popped before the reclaim is queued: new work for the id jumps ahead of it",
+    issue="#8082 (b)",
+    scenarios=("id_reuse_after_cancel",),
+)
+def pop_token_before_enqueue() -> Iterator[Patch]:
+    def _retire_generation_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
+        self._sender_tokens.pop(ext, None)
+        self._clear_sender_state_locked(ext)
+        if self._tasks is None or not token.num_puts or token.terminal_sent:
+            return
+
+        async def enqueue_later() -> None:
+            await current_kernel().point("mutant.window", ext=ext)
+            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
+            self._save_cond.notify()
+
+        self._tasks.start_soon(enqueue_later, name=f"{self.name}.enqueue")
+
+    yield Patch(Adapter, "_retire_generation_locked", _retire_generation_locked)
+
+
+@mutant(
+    "accept_while_draining",
+    summary="save_async accepts work for an id whose previous generation is still draining (generations mix)",
+    issue="#8082 (b)",
+    scenarios=("id_reuse_after_cancel",),
+)
+def accept_while_draining() -> Iterator[Patch]:
+    yield Patch(Adapter, "_rejects_while_draining", staticmethod(lambda token: False))
+
+
+@mutant(
+    "sender_state_not_cleared",
+    summary="retiring a generation leaves put_req_chunk behind: a reusing generation continues from the old chunk id",
+    issue="#8082 (b)",
+    scenarios=("id_reuse_after_cancel",),
+)
+def sender_state_not_cleared() -> Iterator[Patch]:
+    def _clear_sender_state_locked(self: Adapter, ext: str) -> None:
+        for name in self.SENDER_DICTS:
+            if name != "put_req_chunk":
+                getattr(self, name).pop(ext, None)
+
+    yield Patch(Adapter, "_clear_sender_state_locked", _clear_sender_state_locked)
+
+
+@mutant(
+    "prefix_cleanup",
+    summary="the reclaim deletes every tracked key starting with the request id: siblings like task_1_2 lose chunks",
+    issue="#8082 (c)",
+    scenarios=("similar_ids",),
+)
+def prefix_cleanup() -> Iterator[Patch]:
+    async def _run_cleanup_task(self: Adapter, task: CleanupTask) -> None:
+        k = current_kernel()
+        await k.point("adapter.cleanup_shm.begin", prefix=task.prefix, n=task.num_puts, gen=task.generation)
+        ext = task.prefix.rsplit("_", 1)[0]
+        for key in list(self.connector.residue()["pending_keys"]):
+            if key.startswith(f"{ext}_"):
+                await self.connector.cleanup(key)
+        k.note("adapter.cleanup_shm.end", prefix=task.prefix, gen=task.generation)
+
+    yield Patch(Adapter, "_run_cleanup_task", _run_cleanup_task)
+
+
+@mutant(
+    "delete_sent_terminal",
+    summary="the reclaim deletes all num_puts keys even after the terminal was sent: downstream loses it",
+    issue="#8082 (d)",
+    scenarios=("terminal_success_vs_failure", "abort_with_terminal_queued"),
+)
+def delete_sent_terminal() -> Iterator[Patch]:
+    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
+        if token.num_puts:
+            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
+            self._save_cond.notify()
+
+    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+
+
+@mutant(
+    "skip_cleanup_for_terminal",
+    summary="a generation whose terminal was attempted is treated as delivered: a failed terminal is never reclaimed",
+    issue="#8082 (d)",
+    scenarios=("terminal_success_vs_failure",),
+)
+def skip_cleanup_for_terminal() -> Iterator[Patch]:
+    original = _original["_put_chunk"]
+
+    async def _put_chunk(self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any) -> bool:
+        if bool(payload["meta"]["finished"]):
+            token.terminal_sent = True
+        return await original(self, token, key, chunk_id, payload)
+
+    yield Patch(Adapter, "_put_chunk", _put_chunk)
+
+
+@mutant(
+    "no_post_get_identity_check",
+    summary="the receiver does not re-check its registration after get: a cleaned-up request gets its chunk",
+    issue="#8082 (e)",
+    scenarios=("stale_receiver_entry",),
+)
+def no_post_get_identity_check() -> Iterator[Patch]:
+    def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
+        return phase == "after_get" or self._registered_load_entries.get(entry.request_id) is entry
+
+    yield Patch(Adapter, "_entry_is_current_locked", _entry_is_current_locked)
+
+
+@mutant(
+    "mapping_outside_lock",
+    summary="the receive loop publishes request_ids_mapping outside the lock, after the poll: cleanup is undone",
+    issue="#8082 (e)",
+    scenarios=("stale_receiver_entry",),
+)
+def mapping_outside_lock() -> Iterator[Patch]:
+    original = _original["_poll_single_request"]
+
+    async def _poll_single_request(self: Adapter, entry: LoadEntry) -> bool:
+        drop = await original(self, entry)
+        self.request_ids_mapping[entry.request_id] = entry.external_req_id
+        return drop
+
+    yield Patch(Adapter, "_poll_single_request", _poll_single_request)
+
+
+@mutant(
+    "membership_not_identity",
+    summary="the receiver checks 'id in registered' instead of identity: an old get commits into a re-registration",
+    issue="#8082 (e)",
+    scenarios=("stale_receiver_entry",),
+)
+def membership_not_identity() -> Iterator[Patch]:
+    def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
+        return entry.request_id in self._registered_load_entries
+
+    yield Patch(Adapter, "_entry_is_current_locked", _entry_is_current_locked)
+
+
+@mutant(
+    "cancelled_tombstones",
+    summary="receiver cleanup records the id in a _cancelled_load_reqs set that grows with every cleanup",
+    issue="#8082 (f)",
+    scenarios=("repeated_receiver_cleanups",),
+)
+def cancelled_tombstones() -> Iterator[Patch]:
+    original = _original["cleanup_receiver"]
+
+    async def cleanup_receiver(self: Adapter, request_id: str) -> None:
+        self.__dict__.setdefault("_cancelled_load_reqs", set()).add(request_id)
+        await original(self, request_id)
+
+    yield Patch(Adapter, "cleanup_receiver", cleanup_receiver)
+
+
+@mutant(
+    "no_idle_reap",
+    summary="reap_consumed runs only inside put: after the last send the consumed keys stay tracked forever",
+    issue="#8082 (g)",
+    scenarios=("idle_reap",),
+)
+def no_idle_reap() -> Iterator[Patch]:
+    yield Patch(Adapter, "_reap_after_pass", lambda self: None)
+
+
+@mutant(
+    "reap_no_rotate",
+    summary="the reap scans the first 64 keys without rotating: unread keys at the head starve the rest",
+    issue="#8082 (h)",
+    scenarios=("unread_head_rotation",),
+)
+def reap_no_rotate() -> Iterator[Patch]:
+    def reap_consumed(self: ShmConnector, *, max_keys: int = 64) -> None:
+        for key in list(self._pending_keys)[:max_keys]:
+            if not self.store.segment_exists(key):
+                del self._pending_keys[key]
+
+    yield Patch(ShmConnector, "reap_consumed", reap_consumed)
+
+
+@mutant(
+    "lock_removed_only_if_decoded",
+    summary="the reader removes the lock file only when the payload decoded: a bad payload leaks it",
+    issue="#8082 (i)",
+    scenarios=("deserialize_failure",),
+)
+def lock_removed_only_if_decoded() -> Iterator[Patch]:
+    def _remove_lock_after_read(self: ShmConnector, key: str, *, decoded: bool) -> None:
+        if decoded:
+            self.store.remove_lock(key)
+
+    yield Patch(ShmConnector, "_remove_lock_after_read", _remove_lock_after_read)

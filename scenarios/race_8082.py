@@ -1,0 +1,222 @@
+"""The #8082 race table (spec §8, seed Level 5): cancellation is not one synchronous delete.
+
+Each scenario is one row of the seed's table, at the Talker → Code2Wav edge, and says which
+ordering makes its race bite (``constraints``, used by the ``ordered`` strategy).
+"""
+
+from __future__ import annotations
+
+from omnisim.faults import Fault, FaultPlan
+from omnisim.registry import scenario
+from omnisim.world import QUIESCE_S, World
+from runtime.kernel import current_kernel
+from scenarios.edge import (
+    TALKER,
+    EdgeRequest,
+    abort,
+    consume,
+    edge_world,
+    produce,
+    release,
+    serve,
+    together,
+)
+
+ABORTABLE = frozenset({"finished", "aborted"})
+
+
+@scenario(
+    "abort_during_put",
+    summary="abort while a chunk put is in flight: the abort returns at once, the put's segment is reclaimed",
+    issue="#8082 (a)",
+    build=edge_world,
+    constraints=("shm.put.begin[key=R_1_0] < adapter.cleanup_sender.end[ext=R] < shm.put.end[key=R_1_0]",),
+)
+async def abort_during_put(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = ABORTABLE
+    await together(
+        ("R.consume", lambda: consume(req)),
+        ("R.produce", lambda: produce(req, [4, 25, 10])),
+        ("orch.abort", lambda: abort(req)),
+    )
+    await release(req)
+
+
+@scenario(
+    "id_reuse_after_cancel",
+    summary="abort R with a put in flight, then reuse external id R: the old reclaim never deletes the new chunks",
+    issue="#8082 (b)",
+    build=edge_world,
+    constraints=(
+        "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=new0-talker] "
+        "< shm.put.end[key=R_1_0]",
+    ),
+)
+async def id_reuse_after_cancel(world: World) -> None:
+    old = EdgeRequest(world, "R", "old")
+    old.stream.allowed_outcomes = ABORTABLE
+
+    async def abort_then_reuse() -> None:
+        await abort(old)
+        await release(old)
+        # Work for R is refused while the old generation drains; the client retries.
+        for attempt in range(20):
+            new = EdgeRequest(world, "R", f"new{attempt}")
+            new.stream.allowed_outcomes = frozenset({"finished", "failed"})
+            await serve(new, [4, 25, 3])
+            if new.stream.outcome == "finished":
+                return
+            await current_kernel().sleep(0.05)
+        world.probe("liveness", False, "external id R was refused 20 times after its old generation was aborted")
+
+    await together(
+        ("old.consume", lambda: consume(old)),
+        ("old.produce", lambda: produce(old, [4, 25, 10])),
+        ("orch.reuse", abort_then_reuse),
+    )
+
+
+SIBLING_SUFFIXES = ("_1_2", "_1", "_suffix")
+
+
+@scenario(
+    "similar_ids",
+    summary="abort 'task' while 'task_1_2', 'task_1' and 'task_suffix' hold unread chunks: siblings lose nothing",
+    issue="#8082 (c)",
+    build=edge_world,
+    constraints=("shm.put.end[key=task_1_2_1_0] < adapter.cleanup_shm.begin[prefix=task_1] < shm.get.begin[key=task_1_2_1_0]",),
+)
+async def similar_ids(world: World) -> None:
+    target = EdgeRequest(world, "task")
+    target.stream.allowed_outcomes = ABORTABLE
+    siblings = [EdgeRequest(world, f"task{suffix}") for suffix in SIBLING_SUFFIXES]
+
+    async def siblings_then_consume() -> None:
+        for sib in siblings:
+            await produce(sib, [4, 3])
+        await current_kernel().sleep(0.2)  # their chunks sit unread while 'task' is reclaimed
+        await together(*[(f"{sib.ext}.consume", lambda sib=sib: consume(sib)) for sib in siblings])
+        for sib in siblings:
+            await release(sib)
+
+    async def target_then_abort() -> None:
+        await produce(target, [4, 25], finish=False)
+        await abort(target)
+        await release(target)
+
+    await together(("siblings", siblings_then_consume), ("task", target_then_abort))
+
+
+@scenario(
+    "terminal_success_vs_failure",
+    summary="a sent terminal survives the sender's cleanup; a failed terminal (segment left by a raising put) is reclaimed",
+    issue="#8082 (d)",
+    build=edge_world,
+    faults=lambda seed: FaultPlan([Fault("put_raise_after_create", match={"key": "bad_1_2"})], seed),
+)
+async def terminal_success_vs_failure(world: World) -> None:
+    good = EdgeRequest(world, "good")
+    bad = EdgeRequest(world, "bad")
+    bad.stream.allowed_outcomes = frozenset({"failed"})
+    await together(
+        ("good", lambda: serve(good, [4, 25, 3])),
+        ("bad", lambda: serve(bad, [4, 25, 3])),
+    )
+
+
+@scenario(
+    "stale_receiver_entry",
+    summary="cleanup_receiver (and a re-registration of the same id) while a get is in flight: nothing is resurrected",
+    issue="#8082 (e)",
+    build=edge_world,
+    constraints=(
+        "shm.get.locked[key=R_1_0] < adapter.cleanup_receiver.end[req=R-code2wav] < orch.reregister[req=R-code2wav] "
+        "< shm.get.consumed[key=R_1_0]",
+    ),
+)
+async def stale_receiver_entry(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = ABORTABLE
+    code2wav = req.code2wav.adapter
+
+    async def disrupt() -> None:
+        k = current_kernel()
+        await code2wav.cleanup_receiver(req.receiver.request_id)
+        await k.point("orch.reregister", req=req.receiver.request_id)
+        await code2wav.load_async(req.receiver)  # the same id registers again: a new entry
+        await k.sleep(0.1)
+        await abort(req)
+
+    await together(
+        ("R.consume", lambda: consume(req)),
+        ("R.produce", lambda: produce(req, [4])),
+        ("orch.disrupt", disrupt),
+    )
+    await release(req)
+
+
+@scenario(
+    "repeated_receiver_cleanups",
+    summary="many cleanups of requests that were never queued, and of one that was: no receiver residue remains",
+    issue="#8082 (f)",
+    build=edge_world,
+)
+async def repeated_receiver_cleanups(world: World) -> None:
+    code2wav = world.stages[2].adapter
+    for i in range(20):
+        await code2wav.cleanup_receiver(f"gone{i}-code2wav")
+    req = EdgeRequest(world, "R")
+    await serve(req, [4, 3])
+    for _ in range(3):
+        await code2wav.cleanup_receiver(req.receiver.request_id)
+
+
+@scenario(
+    "idle_reap",
+    summary="after the last send, an idle save loop forgets every key the consumer took",
+    issue="#8082 (g)",
+    build=edge_world,
+)
+async def idle_reap(world: World) -> None:
+    reqs = [EdgeRequest(world, f"R{i}") for i in range(2)]
+    await together(*[(f"{r.ext}", lambda r=r: serve(r, [1] * 6)) for r in reqs])
+
+
+@scenario(
+    "unread_head_rotation",
+    summary="65 unread keys at the head of the pending set do not starve the reap of 65 consumed keys behind them",
+    issue="#8082 (h)",
+    build=edge_world,
+    horizon_s=40.0,
+)
+async def unread_head_rotation(world: World) -> None:
+    k = current_kernel()
+    unread = EdgeRequest(world, "A")
+    unread.stream.allowed_outcomes = frozenset({"aborted"})
+    read = EdgeRequest(world, "B")
+    await produce(unread, [1] * 65, finish=False)
+    await serve(read, [1] * 65)
+    await k.sleep(QUIESCE_S)  # at least three idle reap passes
+    pending = world.stages[TALKER].connector.residue()["pending_keys"]
+    world.probe(
+        "no-tombstones",
+        sorted(pending) == sorted(f"A_1_{i}" for i in range(65)),
+        f"after B was consumed and three idle reaps the sender still tracks {len(pending)} keys "
+        f"({sum(key.startswith('B_') for key in pending)} of them consumed); expected exactly A's 65",
+    )
+    await abort(unread)
+    await release(unread)
+
+
+@scenario(
+    "deserialize_failure",
+    summary="a payload that fails to decode after its bytes were taken leaves no segment, lock file or pending key",
+    issue="#8082 (i)",
+    build=edge_world,
+    faults=lambda seed: FaultPlan([Fault("decode_fail", match={"key": "R_1_0"})], seed),
+)
+async def deserialize_failure(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"failed"})  # its first chunk is lost: the deadline ends it
+    await serve(req, [4, 3], input_deadline_s=1.0)
