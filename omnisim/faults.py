@@ -81,7 +81,9 @@ class FaultPlan:
         self._rng = random.Random(seed)
 
     @classmethod
-    def sampled(cls, seed: int, kinds: list[str], site_probability: float = 0.5, hit_probability: float = 0.2) -> FaultPlan:
+    def sampled(
+        cls, seed: int, kinds: list[str], site_probability: float = 0.5, hit_probability: float = 0.2
+    ) -> FaultPlan:
         """BUGGIFY: each kind is active in this run with ``site_probability``; an active kind
         fires on each hit with ``hit_probability``."""
         rng = random.Random(seed)

@@ -118,7 +118,9 @@ def applied(m: Mutant | None) -> Iterator[None]:
     saved: list[tuple[object, str, object]] = []
     try:
         for p in m.patches():
-            saved.append((p.owner, p.attr, vars(p.owner)[p.attr] if isinstance(p.owner, type) else getattr(p.owner, p.attr)))
+            saved.append(
+                (p.owner, p.attr, vars(p.owner)[p.attr] if isinstance(p.owner, type) else getattr(p.owner, p.attr))
+            )
             setattr(p.owner, p.attr, p.value)
         yield
     finally:

@@ -292,6 +292,9 @@ class SimKernel:
                 return self._stop("deadlock", "no task can run and none will wake")
             wake = min(timed)
             if wake > self.horizon_us:
+                if ready:  # runnable tasks were held back by the ordering until time ran out
+                    held = "; ".join(f"{t.name} at {t.pending[0]}" for t in ready)
+                    return self._stop("unsatisfiable", f"held back by the ordering until the horizon: {held}")
                 return self._stop("horizon", f"nothing left to do before the {self.horizon_us / 1e6:g}s horizon")
             self.clock_us = max(self.clock_us, wake)
             for t in self.tasks:

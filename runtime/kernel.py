@@ -109,5 +109,3 @@ def use_kernel(kernel: Kernel) -> Iterator[Kernel]:
         yield kernel
     finally:
         _current.reset(token)
-
-

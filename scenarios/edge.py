@@ -70,6 +70,13 @@ class EdgeRequest:
         return self.world.stages[CODE2WAV]
 
 
+async def produce_then_finish(req: EdgeRequest, chunk_frames: list[int]) -> None:
+    """The Talker's scheduler finishes the request right after queueing its terminal (a stop
+    condition or an external finish): cleanup_sender runs while the terminal is still queued."""
+    if await produce(req, chunk_frames):
+        await req.talker.adapter.finish_requests([req.sender])
+
+
 async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = True) -> bool:
     """Send one chunk per entry of ``chunk_frames``; the last one is the terminal if ``finish``.
 
@@ -127,9 +134,16 @@ async def abort(req: EdgeRequest) -> None:
     await k.point("orch.abort.begin", req=req.ext)
     if req.stream.outcome == "open":
         req.stream.outcome = "aborted"
-    await req.talker.adapter.finish_requests([req.sender])
-    await req.code2wav.adapter.finish_requests([req.receiver])
+    await finish_everywhere(req)
     await k.point("orch.abort.end", req=req.ext)
+
+
+async def finish_everywhere(req: EdgeRequest) -> None:
+    """Finish the request on every stage that still tracks it. The Talker's scheduler stops
+    tracking its request once the terminal is queued; from then on only the adapter owns it."""
+    if not req.sender.is_finished():
+        await req.talker.adapter.finish_requests([req.sender])
+    await req.code2wav.adapter.finish_requests([req.receiver])
 
 
 async def fail(req: EdgeRequest, reason: str) -> None:
@@ -138,8 +152,7 @@ async def fail(req: EdgeRequest, reason: str) -> None:
         return  # already ended: finishing it again could cancel a newer generation of its id
     current_kernel().note("orch.fail", req=req.name, reason=reason)
     req.stream.outcome = "failed"
-    await req.talker.adapter.finish_requests([req.sender])
-    await req.code2wav.adapter.finish_requests([req.receiver])
+    await finish_everywhere(req)
 
 
 async def check_failures(world: World) -> None:

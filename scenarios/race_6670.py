@@ -7,13 +7,7 @@ from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.kernel import current_kernel
-from scenarios.edge import EdgeRequest, abort, consume, edge_world, produce, release, together
-
-
-async def produce_then_finish(req: EdgeRequest, chunk_frames: list[int]) -> None:
-    """The Talker's scheduler frees the request right after queueing its terminal."""
-    if await produce(req, chunk_frames):
-        await req.talker.adapter.finish_requests([req.sender])
+from scenarios.edge import EdgeRequest, abort, consume, edge_world, produce, produce_then_finish, release, together
 
 
 @scenario(
@@ -22,7 +16,9 @@ async def produce_then_finish(req: EdgeRequest, chunk_frames: list[int]) -> None
     "fenced terminal still reclaims; an aborted request's fenced terminal is swept",
     issue="#6670 (a)",
     build=edge_world,
-    constraints=("adapter.save_async[ext=R,finished=True] < adapter.cleanup_sender.end[ext=R] < adapter.send.begin[ext=R,finished=True]",),
+    constraints=(
+        "adapter.save_async[ext=R,finished=True] < adapter.cleanup_sender.end[ext=R] < adapter.send.begin[ext=R,finished=True]",
+    ),
     faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_1_2"})], seed),
 )
 async def abort_with_terminal_queued(world: World) -> None:

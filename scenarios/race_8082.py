@@ -10,13 +10,16 @@ from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import scenario
 from omnisim.world import QUIESCE_S, World
 from runtime.kernel import current_kernel
+from runtime.request import Request
 from scenarios.edge import (
     TALKER,
     EdgeRequest,
     abort,
+    codec_frames,
     consume,
     edge_world,
     produce,
+    produce_then_finish,
     release,
     serve,
     together,
@@ -30,7 +33,10 @@ ABORTABLE = frozenset({"finished", "aborted"})
     summary="abort while a chunk put is in flight: the abort returns at once, the put's segment is reclaimed",
     issue="#8082 (a)",
     build=edge_world,
-    constraints=("shm.put.begin[key=R_1_0] < adapter.cleanup_sender.end[ext=R] < shm.put.end[key=R_1_0]",),
+    constraints=(
+        "shm.put.begin[key=R_1_0] < orch.abort.begin[req=R] < adapter.cleanup_sender.end[ext=R] "
+        "< shm.put.end[key=R_1_0]",
+    ),
 )
 async def abort_during_put(world: World) -> None:
     req = EdgeRequest(world, "R")
@@ -45,30 +51,37 @@ async def abort_during_put(world: World) -> None:
 
 @scenario(
     "id_reuse_after_cancel",
-    summary="abort R with a put in flight, then reuse external id R: the old reclaim never deletes the new chunks",
+    summary="abort R with a put in flight, then reuse external id R: work for R is refused while the old "
+    "generation drains, and the old reclaim never deletes the new generation's chunks",
     issue="#8082 (b)",
     build=edge_world,
     constraints=(
-        "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=new0-talker] "
+        "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=early-talker] "
         "< shm.put.end[key=R_1_0]",
     ),
 )
 async def id_reuse_after_cancel(world: World) -> None:
     old = EdgeRequest(world, "R", "old")
     old.stream.allowed_outcomes = ABORTABLE
+    talker = world.stages[TALKER].adapter
 
     async def abort_then_reuse() -> None:
         await abort(old)
+        # A client reusing R at once: refused (and recorded) while the old generation drains.
+        early = Request("early-talker", "R")
+        draining = talker.is_draining("R")
+        accepted = await talker.save_async({"frames": codec_frames(0)}, early)
+        world.probe(
+            "exact-key-ownership",
+            not (draining and accepted),
+            "save_async for R was accepted while R's previous generation was still draining",
+        )
+        if accepted:
+            await talker.finish_requests([early])
+        # The safe reuse: after the old request's resources were released.
         await release(old)
-        # Work for R is refused while the old generation drains; the client retries.
-        for attempt in range(20):
-            new = EdgeRequest(world, "R", f"new{attempt}")
-            new.stream.allowed_outcomes = frozenset({"finished", "failed"})
-            await serve(new, [4, 25, 3])
-            if new.stream.outcome == "finished":
-                return
-            await current_kernel().sleep(0.05)
-        world.probe("liveness", False, "external id R was refused 20 times after its old generation was aborted")
+        new = EdgeRequest(world, "R", "new")
+        await serve(new, [4, 25, 3])
 
     await together(
         ("old.consume", lambda: consume(old)),
@@ -85,7 +98,10 @@ SIBLING_SUFFIXES = ("_1_2", "_1", "_suffix")
     summary="abort 'task' while 'task_1_2', 'task_1' and 'task_suffix' hold unread chunks: siblings lose nothing",
     issue="#8082 (c)",
     build=edge_world,
-    constraints=("shm.put.end[key=task_1_2_1_0] < adapter.cleanup_shm.begin[prefix=task_1] < shm.get.begin[key=task_1_2_1_0]",),
+    constraints=(
+        "shm.put.end[key=task_1_2_1_0] < shm.put.end[key=task_1_0] < orch.abort.begin[req=task] "
+        "< adapter.cleanup_shm.begin[prefix=task_1] < shm.get.begin[key=task_1_2_1_0]",
+    ),
 )
 async def similar_ids(world: World) -> None:
     target = EdgeRequest(world, "task")
@@ -119,10 +135,20 @@ async def terminal_success_vs_failure(world: World) -> None:
     good = EdgeRequest(world, "good")
     bad = EdgeRequest(world, "bad")
     bad.stream.allowed_outcomes = frozenset({"failed"})
+
+    async def bad_sender() -> None:
+        # Its chunks are sent first, so the terminal is bad_1_2; the scheduler finishes the
+        # request while that terminal is queued, so its failure path owes the reclaim.
+        await produce(bad, [4, 25], finish=False)
+        await current_kernel().sleep(0.2)
+        await produce_then_finish(bad, [3])
+
     await together(
         ("good", lambda: serve(good, [4, 25, 3])),
-        ("bad", lambda: serve(bad, [4, 25, 3])),
+        ("bad.consume", lambda: consume(bad)),
+        ("bad.produce", bad_sender),
     )
+    await release(bad)
 
 
 @scenario(
@@ -131,8 +157,8 @@ async def terminal_success_vs_failure(world: World) -> None:
     issue="#8082 (e)",
     build=edge_world,
     constraints=(
-        "shm.get.locked[key=R_1_0] < adapter.cleanup_receiver.end[req=R-code2wav] < orch.reregister[req=R-code2wav] "
-        "< shm.get.consumed[key=R_1_0]",
+        "shm.get.locked[key=R_1_0] < adapter.cleanup_receiver.begin[req=R-code2wav] "
+        "< orch.reregister[req=R-code2wav] < shm.get.consumed[key=R_1_0]",
     ),
 )
 async def stale_receiver_entry(world: World) -> None:
@@ -179,8 +205,12 @@ async def repeated_receiver_cleanups(world: World) -> None:
     build=edge_world,
 )
 async def idle_reap(world: World) -> None:
+    # No final sweep here: it would forget the consumed keys itself and hide a missing reap.
     reqs = [EdgeRequest(world, f"R{i}") for i in range(2)]
-    await together(*[(f"{r.ext}", lambda r=r: serve(r, [1] * 6)) for r in reqs])
+    await together(
+        *[(f"{r.ext}.consume", lambda r=r: consume(r)) for r in reqs],
+        *[(f"{r.ext}.produce", lambda r=r: produce(r, [1] * 6)) for r in reqs],
+    )
 
 
 @scenario(
@@ -196,7 +226,7 @@ async def unread_head_rotation(world: World) -> None:
     unread.stream.allowed_outcomes = frozenset({"aborted"})
     read = EdgeRequest(world, "B")
     await produce(unread, [1] * 65, finish=False)
-    await serve(read, [1] * 65)
+    await together(("B.consume", lambda: consume(read)), ("B.produce", lambda: produce(read, [1] * 65)))
     await k.sleep(QUIESCE_S)  # at least three idle reap passes
     pending = world.stages[TALKER].connector.residue()["pending_keys"]
     world.probe(

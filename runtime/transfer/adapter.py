@@ -297,6 +297,10 @@ class ChunkTransferAdapter:
         """New work for an id whose previous generation is cancelled but not yet retired is refused."""
         return token is not None and token.cancelled
 
+    def is_draining(self, ext: str) -> bool:
+        """True while a cancelled generation of ``ext`` still owns it: new work for ``ext`` is refused."""
+        return self._rejects_while_draining(self._sender_tokens.get(ext))
+
     def has_active_sender(self, ext: str) -> bool:
         """True while a generation owns ``ext`` and is not cancelled (ownership starts at enqueue)."""
         token = self._sender_tokens.get(ext)
@@ -485,9 +489,7 @@ class ChunkTransferAdapter:
         """Append the exact-range reclaim to the save FIFO, unless downstream still needs the
         successfully sent terminal."""
         if token.num_puts and not token.terminal_sent:
-            self._pending_save_reqs.append(
-                CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
-            )
+            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
     def _clear_sender_state_locked(self, ext: str) -> None:
@@ -586,7 +588,11 @@ class ChunkTransferAdapter:
                 continue
             merged = dict(info.get(name) or {}) if isinstance(info.get(name), dict) else {}
             for sub, sub_value in value.items():
-                if name == "codes" and sub == "audio" and not (isinstance(sub_value, torch.Tensor) and sub_value.ndim >= 2):
+                if (
+                    name == "codes"
+                    and sub == "audio"
+                    and not (isinstance(sub_value, torch.Tensor) and sub_value.ndim >= 2)
+                ):
                     continue  # 1-D codes live only in the prompt
                 if name == "meta" and sub == "finished":
                     continue  # finished steers exhaustion and is never merged
