@@ -22,15 +22,19 @@ def no_terminal_fence() -> Iterator[Patch]:
 
 @mutant(
     "deferred_cleanup_only_on_success",
-    summary="the fence runs the deferred cleanup only after a successful terminal put: a failed one leaks the sender",
+    summary="the fence is lowered, and its deferred cleanup run, only after a successful terminal put: a failed "
+    "terminal leaks the sender generation and its id stays 'draining' forever",
     issue="#6670 (a)",
     scenarios=("abort_with_terminal_queued",),
 )
 def deferred_cleanup_only_on_success() -> Iterator[Patch]:
-    def _runs_deferred_cleanup(deferred: bool, still_current: bool, token: SenderGeneration) -> bool:
-        return deferred and still_current and token.terminal_sent
+    original = vars(Adapter)["_release_terminal_fence"]
 
-    yield Patch(Adapter, "_runs_deferred_cleanup", staticmethod(_runs_deferred_cleanup))
+    async def _release_terminal_fence(self: Adapter, ext: str, token: SenderGeneration) -> None:
+        if token.terminal_sent:
+            await original(self, ext, token)
+
+    yield Patch(Adapter, "_release_terminal_fence", _release_terminal_fence)
 
 
 @mutant(

@@ -41,7 +41,8 @@ def cleanup_waits_for_io() -> Iterator[Patch]:
 
     async def cleanup_sender(self: Adapter, ext: str) -> None:
         token = self._sender_tokens.get(ext)
-        while token is not None and token.in_flight:
+        # (Not for a fenced terminal's own deferred cleanup, which runs on the save task itself.)
+        while token is not None and token.in_flight and not (token.terminal_pending or token.terminal_sent):
             await current_kernel().sleep(0.001)
         await original(self, ext)
 
@@ -93,7 +94,7 @@ def cleanup_on_separate_queue() -> Iterator[Patch]:
             task = CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
 
             async def reclaim() -> None:
-                await current_kernel().sleep(0.01)
+                await current_kernel().point("mutant.window", ext=ext)
                 await self._run_cleanup_task(task)
 
             self._tasks.start_soon(reclaim, name=f"{self.name}.reclaim")

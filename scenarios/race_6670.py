@@ -16,8 +16,10 @@ from scenarios.edge import EdgeRequest, abort, consume, edge_world, produce, pro
     "fenced terminal still reclaims; an aborted request's fenced terminal is swept",
     issue="#6670 (a)",
     build=edge_world,
-    constraints=(
-        "adapter.save_async[ext=R,finished=True] < adapter.cleanup_sender.end[ext=R] < adapter.send.begin[ext=R,finished=True]",
+    constraints=tuple(
+        f"adapter.save_async[ext={ext},finished=True] < adapter.cleanup_sender.end[ext={ext}] "
+        f"< adapter.send.begin[ext={ext},finished=True]"
+        for ext in ("R", "F")
     ),
     faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_1_2"})], seed),
 )

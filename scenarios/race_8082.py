@@ -10,12 +10,10 @@ from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import scenario
 from omnisim.world import QUIESCE_S, World
 from runtime.kernel import current_kernel
-from runtime.request import Request
 from scenarios.edge import (
     TALKER,
     EdgeRequest,
     abort,
-    codec_frames,
     consume,
     edge_world,
     produce,
@@ -56,32 +54,39 @@ async def abort_during_put(world: World) -> None:
     issue="#8082 (b)",
     build=edge_world,
     constraints=(
-        "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=early-talker] "
+        "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=new0-talker] "
         "< shm.put.end[key=R_1_0]",
     ),
 )
 async def id_reuse_after_cancel(world: World) -> None:
+    k = current_kernel()
     old = EdgeRequest(world, "R", "old")
     old.stream.allowed_outcomes = ABORTABLE
     talker = world.stages[TALKER].adapter
 
     async def abort_then_reuse() -> None:
         await abort(old)
-        # A client reusing R at once: refused (and recorded) while the old generation drains.
-        early = Request("early-talker", "R")
-        draining = talker.is_draining("R")
-        accepted = await talker.save_async({"frames": codec_frames(0)}, early)
-        world.probe(
-            "exact-key-ownership",
-            not (draining and accepted),
-            "save_async for R was accepted while R's previous generation was still draining",
-        )
-        if accepted:
-            await talker.finish_requests([early])
-        # The safe reuse: after the old request's resources were released.
-        await release(old)
-        new = EdgeRequest(world, "R", "new")
-        await serve(new, [4, 25, 3])
+        # A client reuses R at once, retrying while work for R is refused.
+        for attempt in range(20):
+            new = EdgeRequest(world, "R", f"new{attempt}")
+            new.stream.allowed_outcomes = frozenset({"finished", "failed"})
+            draining = talker.is_draining("R")
+            sent = await produce(new, [4, 25, 3])
+            world.probe(
+                "exact-key-ownership",
+                not (draining and new.stream.frames_sent),
+                f"save_async for {new.sender.request_id} was accepted while R's previous generation was draining",
+            )
+            if sent:
+                # The new chunks sit unread while the old generation's reclaim runs; a reclaim
+                # that overtakes them deletes what the new receiver is about to read.
+                await k.sleep(0.2)
+                await consume(new)
+                await release(new)
+                await release(old)
+                return
+            await k.sleep(0.01)
+        world.probe("liveness", False, "external id R was refused 20 times after its old generation was aborted")
 
     await together(
         ("old.consume", lambda: consume(old)),

@@ -299,7 +299,8 @@ class ChunkTransferAdapter:
 
     def is_draining(self, ext: str) -> bool:
         """True while a cancelled generation of ``ext`` still owns it: new work for ``ext`` is refused."""
-        return self._rejects_while_draining(self._sender_tokens.get(ext))
+        token = self._sender_tokens.get(ext)
+        return token is not None and token.cancelled
 
     def has_active_sender(self, ext: str) -> bool:
         """True while a generation owns ``ext`` and is not cancelled (ownership starts at enqueue)."""
@@ -431,14 +432,10 @@ class ChunkTransferAdapter:
             deferred = token.cleanup_deferred
             token.cleanup_deferred = False
             still_current = self._sender_tokens.get(ext) is token
-        if self._runs_deferred_cleanup(deferred, still_current, token):
-            await self.cleanup_sender(ext)
-
-    @staticmethod
-    def _runs_deferred_cleanup(deferred: bool, still_current: bool, token: SenderGeneration) -> bool:
         # If the token no longer owns ext, its successor already reclaimed; cleaning now would
         # wipe the successor's state.
-        return deferred and still_current
+        if deferred and still_current:
+            await self.cleanup_sender(ext)
 
     async def _run_cleanup_task(self, task: CleanupTask) -> None:
         k = current_kernel()

@@ -1,0 +1,57 @@
+"""The public vocabulary of points and notes: what ``omnisim list points`` prints.
+
+A *point* is a scheduling decision (the ordered strategy can hold a task there, a fault plan can
+fire there); a *note* is an observation only. Constraints may order both, but only points can be
+held back, so the later element of an order should be a point.
+"""
+
+from __future__ import annotations
+
+POINTS: dict[str, tuple[str, str]] = {
+    # name: (kind, meaning)
+    "shm.put.begin": ("point", "a put starts (before the bounded reap and the encode) [key]"),
+    "shm.put.locked": ("point", "the writer holds the key's lock file; no segment yet [key]"),
+    "shm.put.created": ("point", "the segment exists, reserved but not yet filled [key]"),
+    "shm.put.written": ("point", "the payload is in the segment; the lock is still held [key]"),
+    "shm.put.end": ("point", "the put succeeded: the key is tracked and receivers were woken [key]"),
+    "shm.put.failed": ("note", "a put reported failure (storage or encoding error) [key, error]"),
+    "shm.get.begin": ("point", "a non-blocking get looks for the key [key]"),
+    "shm.get.locked": ("point", "the reader holds the key's lock file and is about to take the bytes [key]"),
+    "shm.get.consumed": ("point", "the bytes were taken and the segment unlinked [key]"),
+    "shm.get.decode_failed": ("note", "a consumed payload did not decode; get returned None [key]"),
+    "shm.cleanup.begin": ("point", "an exact-key cleanup starts [key]"),
+    "shm.cleanup.unlinked": ("note", "a cleanup removed a segment that existed [key]"),
+    "adapter.save_async": ("point", "the scheduler queued (or had refused) one chunk [ext, req, finished, accepted]"),
+    "adapter.save_async.rejected": ("note", "work for an id whose previous generation drains was refused [ext, req]"),
+    "adapter.send.begin": ("point", "the save task takes a chunk task of a generation [ext, gen, finished]"),
+    "adapter.send.stale": ("note", "the task's generation no longer owns the id (or was cancelled) [ext, gen]"),
+    "adapter.send.vetoed": ("note", "the pre-put check found the generation retired [ext, gen]"),
+    "adapter.put": (
+        "note",
+        "the adapter hands a chunk to the connector; the key range is already bounded [ext, gen, key]",
+    ),
+    "adapter.cleanup_sender.begin": ("point", "cleanup_sender starts [ext]"),
+    "adapter.cleanup_sender.end": ("point", "cleanup_sender returns (it never waits for I/O) [ext]"),
+    "adapter.cleanup_shm.begin": ("point", "the save task reclaims a retired generation's keys [prefix, n, gen]"),
+    "adapter.cleanup_shm.end": ("note", "that reclaim is done [prefix, gen]"),
+    "adapter.release.begin": ("point", "the request-level final sweep starts on the save task [ext]"),
+    "adapter.release.end": ("note", "the final sweep is done [ext, removed]"),
+    "adapter.load_async": ("point", "the scheduler registered a request for its next chunk [req]"),
+    "adapter.register": ("note", "a new receive registration was created [stage, req, entry]"),
+    "adapter.unregister": ("note", "a registration ended (cleanup, or its chunk committed) [stage, req, why]"),
+    "adapter.commit": (
+        "note",
+        "a received chunk was committed into a registration [stage, req, entry, chunk, finished]",
+    ),
+    "adapter.poll.discarded": ("note", "a chunk consumed by a stale registration was dropped [req, key]"),
+    "adapter.cleanup_receiver.begin": ("point", "cleanup_receiver starts [req]"),
+    "adapter.cleanup_receiver.end": ("point", "cleanup_receiver returns [req]"),
+    "orch.abort.begin": ("point", "the orchestrator starts aborting a request on every stage [req]"),
+    "orch.abort.end": ("point", "the abort returned [req]"),
+    "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),
+    "orch.reregister": ("point", "a scenario re-registers a request id that was just cleaned up [req]"),
+    "kernel.block": ("note", "a task blocked on a held lock [on]"),
+    "kernel.wait": ("note", "a task waits on a signal or sleeps [on]"),
+    "kernel.crash": ("note", "a task died with an exception [error]"),
+    "fault": ("note", "an injected fault fired [kind, at]"),
+}
