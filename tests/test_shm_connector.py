@@ -164,7 +164,7 @@ async def test_consumed_corrupt_segment_removes_lock_and_segment(
     """A real corrupt frame (not a patched decoder): get returns None, never raises, and the
     consumed bytes take both the segment and the lock file with them."""
     seg = store.create_segment("R_0_0", len(garbage))
-    seg.buffer[:] = garbage
+    seg.write(0, garbage)
     seg.close()
     lock = store.open_lock("R_0_0", create=True)
     assert lock is not None

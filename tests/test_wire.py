@@ -18,6 +18,7 @@ from runtime.connectors.wire import (
     ALIGN,
     MAGIC,
     TORCH_DTYPES,
+    BufferIO,
     EncodedFrame,
     WireDecodeError,
     WireEncodeError,
@@ -277,7 +278,7 @@ def test_write_into_larger_buffer_and_decode_from_memoryview() -> None:
     obj = {"t": torch.arange(10, dtype=torch.int16), "a": np.ones(3)}
     frame = EncodedFrame(obj)
     buf = bytearray(frame.size)
-    frame.write_into(memoryview(buf))
+    frame.write_to(BufferIO(memoryview(buf)))
     assert bytes(buf) == frame.to_bytes()
     assert_same(decode(memoryview(buf)), obj)
 

@@ -5,23 +5,25 @@ attributable to the run that made it.
 * segment of key K: ``/dev/shm/omnisim-{ns}-seg-K`` (``shm_open`` name ``/omnisim-{ns}-seg-K``)
 * lock file of key K: ``/dev/shm/omnisim-{ns}-lock-K``
 
-Both are created mode 0600. A segment is reserved with ``posix_fallocate`` before it is mapped, so
-a full /dev/shm is a clean :class:`StoreFull` at create time instead of a SIGBUS on first write.
+Both are created mode 0600. A segment is reserved with ``posix_fallocate`` before a byte is
+written, so a full /dev/shm is a clean :class:`StoreFull` at create time; and segments are never
+mapped (they are written with ``pwrite`` and read with ``preadv``), so no SIGBUS is possible.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
 import os
 import re
 import secrets
 
+import numpy as np
 import posix_ipc
 
 from runtime.connectors.keys import validate_key
 from runtime.connectors.stores import StoreError, StoreFull
+from runtime.connectors.wire import Buffer, WireDecodeError
 
 SHM_DIR = "/dev/shm"
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
@@ -33,21 +35,35 @@ def new_namespace() -> str:
 
 
 class _PosixSegment:
-    def __init__(self, fd: int, size: int, writable: bool) -> None:
-        try:
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
+    """A segment used through its file descriptor: ``pwrite`` and ``preadv`` copy straight
+    between the segment's pages and the caller's memory, with no mapping to fault in."""
 
-    @property
-    def buffer(self) -> memoryview:
-        return self._view
+    def __init__(self, key: str, fd: int, size: int) -> None:
+        self._key = key
+        self._fd = fd
+        self.size = size
+
+    def write(self, offset: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                written = os.pwrite(self._fd, view, offset)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise StoreFull(self._key, self.size) from e
+                raise StoreError(f"cannot write segment {self._key!r}: {e}") from e
+            view = view[written:]
+            offset += written
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        got = os.preadv(self._fd, [out], offset)
+        if got != out.nbytes:
+            raise WireDecodeError(f"segment {self._key!r} ended after {got} of {out.nbytes} bytes at {offset}")
 
     def close(self) -> None:
-        self._view.release()
-        self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _PosixLock:
@@ -127,11 +143,7 @@ class PosixStore:
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 raise StoreFull(key, size) from e
             raise StoreError(f"cannot reserve {size} bytes for segment {key!r}: {e}") from e
-        try:
-            return _PosixSegment(fd, size, writable=True)
-        except OSError as e:
-            self.unlink_segment(key)
-            raise StoreError(f"cannot map segment {key!r}: {e}") from e
+        return _PosixSegment(key, fd, size)
 
     def open_segment(self, key: str) -> _PosixSegment | None:
         try:
@@ -143,10 +155,7 @@ class PosixStore:
         if size == 0:
             os.close(fd)
             return None
-        try:
-            return _PosixSegment(fd, size, writable=False)
-        except OSError:
-            return None
+        return _PosixSegment(key, fd, size)
 
     def unlink_segment(self, key: str) -> bool:
         try:

@@ -86,8 +86,8 @@ class ShmConnector:
             try:
                 segment = self.store.create_segment(key, frame.size)
                 await k.point("shm.put.created", key=key)
-                buffer = segment.buffer
-                await k.run_blocking(lambda: frame.write_into(buffer), cost=frame.size)
+                created = segment
+                await k.run_blocking(lambda: frame.write_to(created), cost=frame.size)
             except StoreError:
                 if segment is not None:
                     self.store.unlink_segment(key)
@@ -147,11 +147,11 @@ class ShmConnector:
         consumed = False
         error: Exception | None = None
         obj: Any = None
-        size = len(segment.buffer)
+        size = segment.size
         try:
             await k.point("shm.get.locked", key=key)
             try:
-                obj = await k.run_blocking(lambda: decode(segment.buffer), cost=size)
+                obj = await k.run_blocking(lambda: decode(segment), cost=size)
             except WireDecodeError as e:
                 error = WireDecodeError(str(e))  # not e: its traceback pins views of the mapping
             segment.close()

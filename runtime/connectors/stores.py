@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 from typing import Protocol
 
+from runtime.connectors.wire import BufferIO, FrameIO
+
 
 class StoreError(Exception):
     """A storage operation failed; a put that meets one reports failure and leaves nothing behind."""
@@ -24,11 +26,8 @@ class StoreFull(StoreError):
         super().__init__(f"no space left for segment {key!r} of {size} bytes ({errno.errorcode[errno.ENOSPC]})")
 
 
-class Segment(Protocol):
-    """An open segment. ``buffer`` is writable for a created segment, readable for an opened one."""
-
-    @property
-    def buffer(self) -> memoryview: ...
+class Segment(FrameIO, Protocol):
+    """An open segment: positional writes (a created one) and reads (an opened one)."""
 
     def close(self) -> None: ...
 
@@ -83,18 +82,6 @@ class Store(Protocol):
         ...
 
 
-class _MemSegment:
-    def __init__(self, data: bytearray, writable: bool) -> None:
-        self._view = memoryview(data) if writable else memoryview(data).toreadonly()
-
-    @property
-    def buffer(self) -> memoryview:
-        return self._view
-
-    def close(self) -> None:
-        self._view.release()
-
-
 class _LockInode:
     """One lock file; its lock belongs to the file, not to the name."""
 
@@ -141,19 +128,19 @@ class MemoryStore:
     def _used(self) -> int:
         return sum(len(b) for b in self._segments.values())
 
-    def create_segment(self, key: str, size: int) -> _MemSegment:
+    def create_segment(self, key: str, size: int) -> BufferIO:
         self._segments.pop(key, None)  # replaced, as a POSIX create unlinks the old name first
         if self.capacity is not None and self._used() + size > self.capacity:
             raise StoreFull(key, size)
         data = bytearray(size)
         self._segments[key] = data
-        return _MemSegment(data, writable=True)
+        return BufferIO(data)
 
-    def open_segment(self, key: str) -> _MemSegment | None:
+    def open_segment(self, key: str) -> BufferIO | None:
         data = self._segments.get(key)
         if not data:
             return None
-        return _MemSegment(data, writable=False)
+        return BufferIO(memoryview(data).toreadonly())
 
     def unlink_segment(self, key: str) -> bool:
         return self._segments.pop(key, None) is not None

@@ -7,9 +7,12 @@ A frame is::
 The header is ordinary msgpack (maps, lists, str, int, float, bool, None, bytes). A tensor is the
 extension type 1 and an ndarray the extension type 2; each carries ``[dtype, shape, offset,
 nbytes]`` and its raw bytes live in the buffer region at ``offset`` (64-byte aligned). Keeping
-the bytes out of the msgpack stream is what lets a put copy each tensor exactly once (straight
-into the shared-memory segment) and a get copy it exactly once (straight out of the mapping),
-where upstream copies the payload six times.
+the bytes out of the msgpack stream is what lets a put copy each tensor exactly once (one
+``pwrite`` from the tensor's memory into the segment) and a get copy it exactly once (one
+``preadv`` into the new tensor's memory), where upstream copies the payload six times.
+
+Frames are written to and read from a :class:`FrameIO`: positional writes and reads, which a
+shared-memory segment (file descriptor) and a plain byte buffer both provide.
 
 Decoding validates everything it reads; malformed input raises :class:`WireDecodeError` and
 nothing else.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -31,8 +34,47 @@ ALIGN = 64
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
 
-#: Anything a frame can be written into or read from.
-Buffer = bytes | bytearray | memoryview | mmap.mmap
+#: Raw bytes.
+Buffer = bytes | bytearray | memoryview | mmap.mmap | np.ndarray
+
+
+class FrameIO(Protocol):
+    """Positional I/O on a fixed-size byte region (a segment, or a buffer)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def write(self, offset: int, data: Buffer) -> None:
+        """Write all of ``data`` at ``offset``."""
+        ...
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` (uint8) with the bytes at ``offset``; raise if fewer are there."""
+        ...
+
+
+class BufferIO:
+    """FrameIO over a byte buffer in memory."""
+
+    def __init__(self, data: Buffer) -> None:
+        self._view = memoryview(data).cast("B")
+
+    @property
+    def size(self) -> int:
+        return len(self._view)
+
+    def write(self, offset: int, data: Buffer) -> None:
+        chunk = memoryview(data).cast("B")
+        self._view[offset : offset + len(chunk)] = chunk
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        if offset + out.nbytes > len(self._view):
+            raise WireDecodeError(f"read of {out.nbytes} bytes at {offset} runs past a {len(self._view)}-byte frame")
+        np.copyto(out, np.frombuffer(self._view, np.uint8, out.nbytes, offset))
+
+    def close(self) -> None:
+        self._view.release()
+
 
 #: Every torch dtype a stage payload may carry, by its wire name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -120,21 +162,19 @@ class EncodedFrame:
             return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(meta))
         raise WireEncodeError(f"cannot encode object of type {type(obj).__name__}")
 
-    def write_into(self, buf: Buffer) -> None:
-        """Write the whole frame into ``buf`` (writable, at least ``size`` bytes)."""
-        view = memoryview(buf).cast("B")
-        _PREFIX.pack_into(view, 0, MAGIC, len(self._header))
-        end = _PREFIX.size + len(self._header)
-        view[_PREFIX.size : end] = self._header
-        view[end : self._buffer_base] = bytes(self._buffer_base - end)
+    def write_to(self, io: FrameIO) -> None:
+        """Write the whole frame (``size`` bytes) through ``io``: one write per buffer."""
+        head = bytearray(self._buffer_base)
+        _PREFIX.pack_into(head, 0, MAGIC, len(self._header))
+        head[_PREFIX.size : _PREFIX.size + len(self._header)] = self._header
+        io.write(0, head)
         for offset, data in self._buffers:
             if data.nbytes:
-                start = self._buffer_base + offset
-                np.copyto(np.frombuffer(view, np.uint8, data.nbytes, start), data)
+                io.write(self._buffer_base + offset, data)
 
     def to_bytes(self) -> bytes:
         out = bytearray(self.size)
-        self.write_into(out)
+        self.write_to(BufferIO(out))
         return bytes(out)
 
 
@@ -150,23 +190,23 @@ def _shape(raw: object) -> tuple[int, ...]:
 
 
 class _Decoder:
-    def __init__(self, view: memoryview, base: int) -> None:
-        self._view = view
+    def __init__(self, io: FrameIO, base: int) -> None:
+        self._io = io
         self._base = base
 
-    def _region(self, offset: object, nbytes: object) -> np.ndarray:
+    def _read_into(self, out: np.ndarray, offset: object, nbytes: object) -> None:
         if not (isinstance(offset, int) and isinstance(nbytes, int)) or offset < 0 or nbytes < 0:
             raise WireDecodeError("bad buffer reference")
         start = self._base + offset
-        if start + nbytes > len(self._view):
-            raise WireDecodeError(f"buffer reference past end of frame ({start + nbytes} > {len(self._view)})")
-        return np.frombuffer(self._view, np.uint8, nbytes, start)
+        if start + nbytes > self._io.size:
+            raise WireDecodeError(f"buffer reference past end of frame ({start + nbytes} > {self._io.size})")
+        self._io.read_into(start, out)
 
     def ext_hook(self, code: int, data: bytes) -> object:
         try:
             meta = msgpack.unpackb(data)
         except Exception as e:
-            raise WireDecodeError(f"bad extension payload: {e}") from e
+            raise WireDecodeError(f"bad extension payload: {e}") from None
         if not isinstance(meta, list) or len(meta) != 4:
             raise WireDecodeError("bad extension payload shape")
         dtype_name, raw_shape, offset, nbytes = meta
@@ -180,7 +220,7 @@ class _Decoder:
             if nbytes != expected:
                 raise WireDecodeError(f"tensor of shape {shape} {dtype_name} needs {expected} bytes, got {nbytes}")
             if expected:
-                np.copyto(out.reshape(-1).view(torch.uint8).numpy(), self._region(offset, nbytes))
+                self._read_into(out.reshape(-1).view(torch.uint8).numpy(), offset, nbytes)
             return out
         if code == EXT_NDARRAY:
             try:
@@ -192,28 +232,37 @@ class _Decoder:
             expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             if nbytes != expected:
                 raise WireDecodeError(f"ndarray of shape {shape} {dtype_name} needs {expected} bytes, got {nbytes}")
-            return self._region(offset, nbytes).view(dtype).reshape(shape).copy()
+            out = np.empty(expected, np.uint8)
+            if expected:
+                self._read_into(out, offset, nbytes)
+            return out.view(dtype).reshape(shape)
         raise WireDecodeError(f"unknown extension type {code}")
 
 
-def decode(buf: Buffer) -> Any:
-    """Decode a frame. Tensors and arrays are copied out, so ``buf`` may be released afterwards."""
-    with memoryview(buf) as raw, raw.cast("B") as view:
-        return _decode_view(view)
+def decode(source: Buffer | FrameIO) -> Any:
+    """Decode a frame from bytes or a :class:`FrameIO`. Tensors and arrays are copied out."""
+    if isinstance(source, Buffer):
+        with memoryview(source) as raw, raw.cast("B") as view:
+            return _decode_io(BufferIO(view))
+    return _decode_io(source)
 
 
-def _decode_view(view: memoryview) -> Any:
-    if len(view) < _PREFIX.size:
-        raise WireDecodeError(f"frame too short ({len(view)} bytes)")
-    magic, header_len = _PREFIX.unpack_from(view, 0)
+def _decode_io(io: FrameIO) -> Any:
+    if io.size < _PREFIX.size:
+        raise WireDecodeError(f"frame too short ({io.size} bytes)")
+    prefix = np.empty(_PREFIX.size, np.uint8)
+    io.read_into(0, prefix)
+    magic, header_len = _PREFIX.unpack(prefix.tobytes())
     if magic != MAGIC:
         raise WireDecodeError(f"bad magic {bytes(magic)!r}")
     end = _PREFIX.size + header_len
-    if end > len(view):
-        raise WireDecodeError(f"header length {header_len} runs past the end of a {len(view)}-byte frame")
-    decoder = _Decoder(view, _align(end))
+    if end > io.size:
+        raise WireDecodeError(f"header length {header_len} runs past the end of a {io.size}-byte frame")
+    header = np.empty(header_len, np.uint8)
+    io.read_into(_PREFIX.size, header)
+    decoder = _Decoder(io, _align(end))
     try:
-        return msgpack.unpackb(view[_PREFIX.size : end], ext_hook=decoder.ext_hook, raw=False, strict_map_key=False)
+        return msgpack.unpackb(header.data, ext_hook=decoder.ext_hook, raw=False, strict_map_key=False)
     except WireDecodeError:
         raise
     except Exception as e:
