@@ -23,8 +23,8 @@ import torch
 import trio
 
 from omnisim import registry
-from omnisim.world import UsageError
 from omnisim.explore import make_strategy, run_once
+from omnisim.world import UsageError
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
 

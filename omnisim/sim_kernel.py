@@ -192,17 +192,18 @@ class SimKernel:
     # == running a world =========================================================================
 
     def run(self, main: Callable[[], Awaitable[object]], *, name: str = "main") -> SimOutcome:
-        """Run ``main`` (and every task it spawns) to completion or to a stop."""
+        """Run ``main`` (and every task it spawns) to completion or to a stop, in a fresh trio loop."""
+        return trio.run(self.run_async, main, name)
 
-        async def root() -> None:
-            with use_kernel(self), trio.CancelScope() as scope:
-                self._root_scope = scope
-                async with trio.open_nursery() as nursery:
-                    task = self._register(main, name, None)
-                    nursery.start_soon(self._run_task, task, name=name)
-                    self._switch_to(task)
-
-        trio.run(root)
+    async def run_async(self, main: Callable[[], Awaitable[object]], name: str = "main") -> SimOutcome:
+        """The same inside a trio loop that is already running (many schedules share one loop,
+        which saves trio's start-up cost per schedule). Nothing else may run in that loop."""
+        with use_kernel(self), trio.CancelScope() as scope:
+            self._root_scope = scope
+            async with trio.open_nursery() as nursery:
+                task = self._register(main, name, None)
+                nursery.start_soon(self._run_task, task, name=name)
+                self._switch_to(task)
         return SimOutcome(
             stop_reason=self._stop_reason,
             stopped_tasks=self._stopped_tasks,

@@ -20,9 +20,9 @@ from runtime.kernel import current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
 STORES = ("memory", "posix")
-#: Virtual seconds of idle time before the quiescence snapshot: at least two idle save passes,
-#: so every consumed key has been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
-QUIESCE_S = 0.35
+#: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
+#: each), so up to 64 consumed keys have been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
+QUIESCE_S = 0.25
 
 
 class UsageError(ValueError):
@@ -64,9 +64,13 @@ class World:
         if not ok:
             self.probe_failures.setdefault(invariant, []).append(message)
 
-    def add_stage(self, stage_id: int, *, processor: Processor | None = None) -> Stage:
+    def add_stage(
+        self, stage_id: int, *, processor: Processor | None = None, receives: bool = True, sends: bool = True
+    ) -> Stage:
         connector = ShmConnector(self.store, stage_id=stage_id, wakeups=self.wakeups)
-        adapter = ChunkTransferAdapter(connector, processor=processor, name=f"stage{stage_id}")
+        adapter = ChunkTransferAdapter(
+            connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
+        )
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter)
         return stage
 

@@ -43,8 +43,9 @@ def synthetic_codec_chunk(
 
 def edge_world(store_kind: str) -> World:
     world = World(store_kind)
-    world.add_stage(TALKER, processor=synthetic_codec_chunk)
-    world.add_stage(CODE2WAV)
+    # At this edge the Talker only sends and Code2Wav (the final stage) only receives.
+    world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False)
+    world.add_stage(CODE2WAV, sends=False)
     return world
 
 
@@ -180,5 +181,7 @@ async def serve(req: EdgeRequest, chunk_frames: list[int], *, input_deadline_s: 
 
 
 async def release(req: EdgeRequest) -> None:
-    """The orchestrator's final sweep once no stage needs the request (spec §2.11)."""
+    """The orchestrator's final sweep once no stage needs the request (spec §2.11), and a last
+    look at the send-failure channel (a failure of a request that already ended is dropped)."""
     await req.talker.adapter.release_shm_resources(req.ext)
+    await check_failures(req.world)

@@ -7,6 +7,7 @@ from typing import Any
 
 from omnisim.registry import Patch, mutant
 from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import LockFile
 from runtime.kernel import current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 from runtime.transfer.adapter import CleanupTask, LoadEntry, SenderGeneration
@@ -292,8 +293,8 @@ def reap_no_rotate() -> Iterator[Patch]:
     scenarios=("deserialize_failure",),
 )
 def lock_removed_only_if_decoded() -> Iterator[Patch]:
-    def _remove_lock_after_read(self: ShmConnector, key: str, *, decoded: bool) -> None:
-        if decoded:
+    def _remove_lock_after_read(self: ShmConnector, key: str, lock: LockFile, *, decoded: bool) -> None:
+        if decoded and lock.is_current():
             self.store.remove_lock(key)
 
     yield Patch(ShmConnector, "_remove_lock_after_read", _remove_lock_after_read)

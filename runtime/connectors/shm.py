@@ -153,7 +153,7 @@ class ShmConnector:
             try:
                 obj = await k.run_blocking(lambda: decode(segment), cost=size)
             except WireDecodeError as e:
-                error = WireDecodeError(str(e))  # not e: its traceback pins views of the mapping
+                error = e
             segment.close()
             self.store.unlink_segment(key)
             consumed = True
@@ -164,9 +164,8 @@ class ShmConnector:
         finally:
             if not consumed:
                 segment.close()
-            lock.release()
             if consumed:
-                self._remove_lock_after_read(key, decoded=error is None)
+                self._remove_lock_after_read(key, lock, decoded=error is None)
             lock.close()
         if error is not None:
             log.warning("dropped undecodable payload of %s: %s", key, error)
@@ -176,10 +175,15 @@ class ShmConnector:
         self._gets += 1
         return obj, size
 
-    def _remove_lock_after_read(self, key: str, *, decoded: bool) -> None:
+    def _remove_lock_after_read(self, key: str, lock: LockFile, *, decoded: bool) -> None:
         """The bytes were taken and the segment unlinked: the lock file goes too, decoded or not
-        (#8082 i; before, a falsy or undecodable payload leaked its lock file)."""
-        self.store.remove_lock(key)
+        (#8082 i; before, a falsy or undecodable payload leaked its lock file).
+
+        It is removed while still held, and only if the name still refers to it: after the
+        release, the name may already belong to the next writer of this key.
+        """
+        if lock.is_current():
+            self.store.remove_lock(key)
 
     # -- cleanup and reap --------------------------------------------------------------------
 
@@ -192,8 +196,21 @@ class ShmConnector:
         removed = self.store.unlink_segment(key)
         if removed:
             k.note("shm.cleanup.unlinked", key=key)
-        self.store.remove_lock(key)
+        self._remove_idle_lock(key)
         return removed
+
+    def _remove_idle_lock(self, key: str) -> None:
+        """Remove the key's lock file unless someone holds it. A holder is a reader, which
+        removes the file itself once it consumed the bytes; removing a held file by name would
+        let the next writer of the key create a new one and run unexcluded past that reader."""
+        lock = self.store.open_lock(key, create=False)
+        if lock is None:
+            return
+        try:
+            if lock.try_acquire() and lock.is_current():
+                self.store.remove_lock(key)
+        finally:
+            lock.close()
 
     async def cleanup_prefix(self, key_prefix: str) -> int:
         """Clean up the tracked keys ``key_prefix + digits`` (``R_1_`` matches ``R_1_12``, not

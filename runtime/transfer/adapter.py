@@ -155,6 +155,7 @@ class ChunkTransferAdapter:
         *,
         processor: Processor | None = None,
         receives_chunks: bool = True,
+        sends_chunks: bool = True,
         name: str = "adapter",
     ) -> None:
         k = current_kernel()
@@ -163,6 +164,7 @@ class ChunkTransferAdapter:
         self.name = name
         self.processor = processor
         self.receives_chunks = receives_chunks
+        self.sends_chunks = sends_chunks
         self._processor_takes_new_ids = processor is not None and self._accepts_new_token_ids(processor)
         self._serials = 0
         self._stopped = False
@@ -745,13 +747,16 @@ class ChunkTransferAdapter:
                     await self._recv_cond.wait(RECV_BACKOFF_S)
 
     async def run(self) -> None:
-        """Run the save and receive loops until :meth:`shutdown`, then close the connector."""
+        """Run the save loop (if this stage sends) and the receive loop (if it receives) until
+        :meth:`shutdown`, then close the connector."""
         k = current_kernel()
         try:
             async with k.task_group() as tasks:
                 self._tasks = tasks
-                tasks.start_soon(self.save_loop, name=f"{self.name}.save")
-                tasks.start_soon(self.recv_loop, name=f"{self.name}.recv")
+                if self.sends_chunks:
+                    tasks.start_soon(self.save_loop, name=f"{self.name}.save")
+                if self.receives_chunks and self.stage_id > 0:
+                    tasks.start_soon(self.recv_loop, name=f"{self.name}.recv")
         finally:
             await self.connector.close()
 
