@@ -31,7 +31,10 @@ def terminal_delivered(world: ObservedWorld) -> list[str]:
 ABORT_PATH = {"orch.abort.begin": "orch.abort.end", "adapter.cleanup_sender.begin": "adapter.cleanup_sender.end"}
 
 
-@invariant("abort-non-blocking", "an abort returns without waiting for connector I/O")
+@invariant(
+    "abort-non-blocking",
+    "an abort returns without waiting, and does no connector I/O on the caller's task",
+)
 def abort_non_blocking(world: ObservedWorld) -> list[str]:
     out = []
     inside: dict[str, list[str]] = {}  # task -> abort-path calls it is in, innermost last
@@ -41,8 +44,11 @@ def abort_non_blocking(world: ObservedWorld) -> list[str]:
             calls.append(f"{ev.name.removesuffix('.begin')}({', '.join(map(str, ev.attrs.values()))})")
         elif ev.name in ABORT_PATH.values() and calls:
             calls.pop()
-        elif ev.name in ("kernel.block", "kernel.wait") and calls:
+        elif calls and ev.name in ("kernel.block", "kernel.wait"):
             out.append(f"{calls[-1]} in task {ev.task} waited on {ev.attrs.get('on')}")
+            calls.clear()
+        elif calls and ev.name.startswith("shm."):
+            out.append(f"{calls[-1]} in task {ev.task} did connector I/O itself ({ev.name} {ev.attrs.get('key')})")
             calls.clear()
     return out
 

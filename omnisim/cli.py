@@ -52,7 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = res.summary()
     human = [
         f"{res.scenario} seed={res.seed} strategy={summary['strategy']} store={res.store} mutant={res.mutant}: "
-        f"{len(res.trace_lines)} events, {res.steps} steps, {res.virtual_time_s:g}s virtual, digest {res.trace_digest[:16]}",
+        f"{len(res.trace_lines)} events, {res.steps} steps, {res.virtual_time_s:g}s virtual, "
+        f"digest {res.trace_digest[:16]}",
         *_violations_text(summary["violations"]),
         *[f"  UNSATISFIED {u}" for u in res.unsatisfied],
     ]

@@ -65,6 +65,8 @@ class RunResult:
 
 def make_strategy(name: str, seed: int, scn: Scenario, constraints: list[str] | None = None) -> Strategy:
     if name == "random":
+        if constraints:
+            raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
         return RandomStrategy(seed)
     if name == "ordered":
         chosen = list(constraints) if constraints else list(scn.constraints)

@@ -49,7 +49,7 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException]]] =
 
 
 class UnknownFaultError(ValueError):
-    pass
+    """A fault kind that does not exist."""
 
 
 @dataclass

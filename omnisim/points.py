@@ -50,6 +50,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),
     "orch.reregister": ("point", "a scenario re-registers a request id that was just cleaned up [req]"),
+    "mutant.window": ("point", "a window a mutant opens where the correct code has none [ext]"),
     "kernel.block": ("note", "a task blocked on a held lock [on]"),
     "kernel.wait": ("note", "a task waits on a signal or sleeps [on]"),
     "kernel.crash": ("note", "a task died with an exception [error]"),

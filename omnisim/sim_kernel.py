@@ -228,9 +228,19 @@ class SimKernel:
             await self._park()
         try:
             await task.fn()
-        except Exception as e:
-            self.crashes.append((task.name, "".join(traceback.format_exception(e)).strip()))
-            self._emit(task, "kernel.crash", {"error": type(e).__name__})
+        except BaseException as e:
+            # A crash is recorded and the world goes on (as a dying thread would leave the rest
+            # running); a cancellation that stops the world is let through.
+            cancelled, crash = (
+                e.split(trio.Cancelled)
+                if isinstance(e, BaseExceptionGroup)
+                else ((e, None) if isinstance(e, trio.Cancelled) else (None, e))
+            )
+            if crash is not None:
+                self.crashes.append((task.name, "".join(traceback.format_exception(crash)).strip()))
+                self._emit(task, "kernel.crash", {"error": type(crash).__name__})
+            if cancelled is not None:
+                raise cancelled from None
         finally:
             task.state = DONE
             self.tasks.remove(task)
@@ -360,7 +370,13 @@ class SimKernel:
         me = self._me()
         async with trio.open_nursery() as nursery:
             group = _SimGroup(self, nursery, me)
-            yield group
+            try:
+                yield group
+            except BaseException as e:
+                # Trio will cancel the children; they must not be rescheduled by the sim while
+                # it does, so the world stops here.
+                self._stop("crash", f"{me.name} raised {type(e).__name__}: {e} with {group.live} child task(s) live")
+                raise
             if group.live:
                 me.state = BLOCKED
                 me.waiting_for = f"{group.live} child task(s) to finish"

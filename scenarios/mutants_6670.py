@@ -49,7 +49,7 @@ def cancel_vetoes_terminal() -> Iterator[Patch]:
 
 @mutant(
     "ownership_by_put_req_chunk",
-    summary="has_active_sender looks at put_req_chunk: chunks queued but not yet sent do not count, no terminal is sent",
+    summary="has_active_sender looks at put_req_chunk: chunks queued but not sent do not count, no terminal is sent",
     issue="#6670 (b)",
     scenarios=("parked_sender_terminal",),
 )

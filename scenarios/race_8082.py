@@ -65,8 +65,10 @@ async def id_reuse_after_cancel(world: World) -> None:
     talker = world.stages[TALKER].adapter
 
     async def abort_then_reuse() -> None:
+        # The client reuses R as soon as its abort returned, while the old generation may still
+        # be draining. (Not earlier: an abort is keyed by external id and would cancel whichever
+        # generation owns R by then.)
         await abort(old)
-        # A client reuses R at once, retrying while work for R is refused.
         for attempt in range(20):
             new = EdgeRequest(world, "R", f"new{attempt}")
             new.stream.allowed_outcomes = frozenset({"finished", "failed"})
@@ -78,8 +80,9 @@ async def id_reuse_after_cancel(world: World) -> None:
                 f"save_async for {new.sender.request_id} was accepted while R's previous generation was draining",
             )
             if sent:
-                # The new chunks sit unread while the old generation's reclaim runs; a reclaim
-                # that overtakes them deletes what the new receiver is about to read.
+                # The new chunks (which replace any unread old ones) sit unread for a while: a
+                # reclaim of the old generation that runs after them deletes what the new
+                # receiver is about to read.
                 await k.sleep(0.2)
                 await consume(new)
                 await release(new)
@@ -131,7 +134,8 @@ async def similar_ids(world: World) -> None:
 
 @scenario(
     "terminal_success_vs_failure",
-    summary="a sent terminal survives the sender's cleanup; a failed terminal (segment left by a raising put) is reclaimed",
+    summary="a sent terminal survives the sender's cleanup; a failed terminal (its segment left by a raising put) "
+    "is reclaimed",
     issue="#8082 (d)",
     build=edge_world,
     faults=lambda seed: FaultPlan([Fault("put_raise_after_create", match={"key": "bad_1_2"})], seed),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from invariants.observed import TraceEvent
 from omnisim.strategies.random import RandomStrategy
+from omnisim.world import UsageError
 
 if TYPE_CHECKING:
     from omnisim.sim_kernel import SimTask
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 _PATTERN = re.compile(r"\s*([A-Za-z0-9_.]+)\s*(?:\[([^\]]*)\])?\s*")
 
 
-class ConstraintError(ValueError):
+class ConstraintError(UsageError):
     """A constraint that does not parse."""
 
 

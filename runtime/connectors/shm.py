@@ -107,9 +107,8 @@ class ShmConnector:
         while True:
             lock = self.store.open_lock(key, create=True)
             assert lock is not None
-            if lock.try_acquire():
-                if lock.is_current():
-                    return lock
+            if lock.try_acquire() and lock.is_current():
+                return lock
             lock.close()
             await current_kernel().sleep(LOCK_RETRY_S)
 

@@ -156,10 +156,10 @@ class FifoWakeups:
         rx = self._receivers.get(stage)
         if rx is None or self._closed:
             return False
-        if rx.counter == generation:
-            if rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout):
-                rx.drain()
-                rx.counter += 1
+        arrived = rx.counter == generation and (rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout))
+        if arrived:
+            rx.drain()
+            rx.counter += 1
         return rx.counter != generation
 
     def close(self) -> None:

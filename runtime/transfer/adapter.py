@@ -169,6 +169,7 @@ class ChunkTransferAdapter:
         self._serials = 0
         self._stopped = False
         self._tasks: KTaskGroup | None = None
+        self._saving = False
 
         # Sender state, keyed by external id.
         self._sender_state_lock = k.lock(f"{name}.sender_state")
@@ -670,6 +671,8 @@ class ChunkTransferAdapter:
         generation. It returns once the sweep ran, so an orchestrator that reuses ``ext`` after it
         can be sure no stale chunk of the old generation is left for the new receiver to read.
         """
+        if not self._saving:  # no save loop (not started, stopped, or a stage that never sends)
+            return await self.connector.cleanup_prefix(f"{ext}_{self.stage_id}_")
         task = ReleaseTask(ext)
         self._pending_save_reqs.append(task)
         self._save_cond.notify()
@@ -698,6 +701,13 @@ class ChunkTransferAdapter:
     # == background loops ========================================================================
 
     async def save_loop(self) -> None:
+        self._saving = True
+        try:
+            await self._save_until_stopped()
+        finally:
+            self._saving = False
+
+    async def _save_until_stopped(self) -> None:
         while not self._stopped:
             await self._drain_save_queue()
             self._reap_after_pass()

@@ -1,0 +1,338 @@
+"""ChunkTransferAdapter protocol tests (spec §3; §8 #8082, #6670).
+
+Part A runs the adapter under the real kernel (plain trio) over a MemoryStore and a real
+PosixStore, with the race windows opened by Events around the connector's ``put`` / ``get``, as
+the seed's tests do. Part B runs two of the same races under the SimKernel with the ``ordered``
+strategy, through the explorer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from omnisim import explore, registry
+from omnisim.strategies.ordered import parse_chain
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import MemoryStore, Store
+from runtime.connectors.wakeup import LocalWakeups
+from runtime.request import Request, RequestStatus
+from runtime.transfer.adapter import DRAINING_REASON, ChunkTransferAdapter
+from scenarios.edge import codec_frames, synthetic_codec_chunk
+
+#: Generous bound for "wait until the background loops got there" (never a timing assertion).
+SETTLE_S = 10
+
+
+@pytest.fixture(params=["memory", "posix"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    s: Store = MemoryStore() if request.param == "memory" else PosixStore()
+    yield s
+    s.sweep()
+
+
+class Edge:
+    """Stage 1 (Talker: sends only) → stage 2 (Code2Wav: receives only), one connector each."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        wakeups = LocalWakeups()
+        self.c1 = ShmConnector(store, stage_id=1, wakeups=wakeups)
+        self.c2 = ShmConnector(store, stage_id=2, wakeups=wakeups)
+        self.sender = ChunkTransferAdapter(
+            self.c1, processor=synthetic_codec_chunk, receives_chunks=False, name="stage1"
+        )
+        self.receiver = ChunkTransferAdapter(self.c2, sends_chunks=False, name="stage2")
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Edge]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.sender.run)
+            nursery.start_soon(self.receiver.run)
+            try:
+                yield self
+            finally:
+                self.sender.shutdown()
+                self.receiver.shutdown()
+
+    def assert_clean(self) -> None:
+        assert self.sender.residue() == {}
+        assert self.receiver.residue() == {}
+        assert self.c1.residue() == {"pending_keys": []}
+        assert self.c2.residue() == {"pending_keys": []}
+        assert self.store.segments() == []
+        assert self.store.lock_files() == []
+
+
+async def settle(condition: Any, what: str) -> None:
+    """Wait until ``condition()`` holds; fail (not hang) if the loops never get there."""
+    with trio.move_on_after(SETTLE_S) as scope:
+        while not condition():
+            await trio.sleep(0.002)
+    assert not scope.cancelled_caught, f"timed out waiting for: {what}"
+
+
+async def send_chunks(adapter: ChunkTransferAdapter, request: Request, frames: list[int], *, finish: bool) -> None:
+    offset = 0
+    for i, n in enumerate(frames):
+        if finish and i == len(frames) - 1:
+            request.status = RequestStatus.FINISHED_STOPPED
+        request.num_computed_tokens += n
+        assert await adapter.save_async({"frames": codec_frames(n, offset)}, request)
+        offset += n
+
+
+async def receive_all(adapter: ChunkTransferAdapter, request: Request) -> list[tuple[torch.Tensor, bool]]:
+    """The Code2Wav scheduler's loop (as scenarios.edge.consume): register, wait, record."""
+    chunks: list[tuple[torch.Tensor, bool]] = []
+    with trio.fail_after(SETTLE_S):
+        while True:
+            await adapter.load_async(request)
+            while not adapter.pop_ready(request.request_id):
+                await adapter.chunk_ready.wait(0.05)
+            audio = (request.additional_information or {}).get("codes", {}).pop("audio")
+            finished = adapter.is_done_receiving_chunks(request.request_id)
+            chunks.append((audio, finished))
+            if finished:
+                return chunks
+
+
+class Gate:
+    """Blocks the first call of a connector method until released; later calls pass through."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, conn: ShmConnector, method: str, result: Any = None) -> None:
+        self.started = trio.Event()
+        self.release = trio.Event()
+        self.returned = trio.Event()
+        self.calls = 0
+        original = getattr(conn, method)
+
+        async def gated(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls > 1:
+                return await original(*args, **kwargs)
+            self.started.set()
+            await self.release.wait()
+            try:
+                return result if result is not None else await original(*args, **kwargs)
+            finally:
+                self.returned.set()
+
+        monkeypatch.setattr(conn, method, gated)
+
+
+# == Part A: the real kernel ===================================================================
+
+
+async def test_chunks_cross_the_edge_in_order_with_one_terminal(store: Store) -> None:
+    edge = Edge(store)
+    talker = Request("R-talker", "R")
+    code2wav = Request("R-code2wav", "R")
+    async with edge.running():
+        await send_chunks(edge.sender, talker, [4, 25, 3], finish=True)
+        chunks = await receive_all(edge.receiver, code2wav)
+        await edge.receiver.finish_requests([code2wav])
+        # The sender retires the generation after its terminal; the idle reap forgets the
+        # consumed keys although nothing more is sent (#8082 g).
+        await settle(lambda: edge.sender.residue() == {}, "the sender retires R")
+        await settle(lambda: edge.c1.residue() == {"pending_keys": []}, "the idle reap")
+    assert [audio.shape[1] for audio, _ in chunks] == [4, 25, 3]
+    assert [finished for _, finished in chunks] == [False, False, True]
+    assert torch.equal(torch.cat([audio for audio, _ in chunks], dim=1), codec_frames(32))
+    assert edge.sender.collect_failed_send_request_ids() == {}
+    edge.assert_clean()
+
+
+async def test_shm_abort_reclaims_inflight_put_without_blocking(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed's test (#8082 a): an abort during a blocked put returns at once; the put's
+    segment, lock file, pending key and sender state are all reclaimed once the queue drains."""
+    edge = Edge(store)
+    gate = Gate(monkeypatch, edge.c1, "put")
+    talker = Request("R-talker", "R")
+    async with edge.running():
+        await send_chunks(edge.sender, talker, [4], finish=False)
+        with trio.fail_after(SETTLE_S):
+            await gate.started.wait()
+
+        with trio.move_on_after(1) as scope:
+            await edge.sender.cleanup_sender("R")
+        assert not scope.cancelled_caught, "the abort waited for the in-flight put"
+        assert not gate.returned.is_set()
+        token = edge.sender._sender_tokens["R"]
+        assert token.cancelled and token.in_flight and token.num_puts == 1
+        assert edge.sender.is_draining("R") and not edge.sender.has_active_sender("R")
+
+        gate.release.set()
+        await settle(
+            lambda: edge.sender.residue() == {} and not store.segments() and not store.lock_files(),
+            "the reclaim of R_1_0",
+        )
+        assert edge.c1.residue() == {"pending_keys": []}
+        assert "R" not in edge.sender._sender_tokens
+
+        # The save loop is alive: a new request still goes through.
+        await send_chunks(edge.sender, Request("S-talker", "S"), [2], finish=False)
+        await settle(lambda: store.segments() == ["S_1_0"], "the put of S_1_0")
+        await edge.sender.cleanup_sender("S")
+        await settle(lambda: not store.segments() and edge.sender.residue() == {}, "the reclaim of S_1_0")
+    assert edge.sender.collect_failed_send_request_ids() == {}
+    edge.assert_clean()
+
+
+async def test_save_async_is_rejected_while_the_old_generation_drains(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    edge = Edge(store)
+    gate = Gate(monkeypatch, edge.c1, "put")
+    old = Request("old-talker", "R")
+    async with edge.running():
+        await send_chunks(edge.sender, old, [4], finish=False)
+        with trio.fail_after(SETTLE_S):
+            await gate.started.wait()
+        await edge.sender.cleanup_sender("R")  # cancelled, still mapped: the put is in flight
+
+        new = Request("new-talker", "R")
+        new.num_computed_tokens = 4
+        assert not await edge.sender.save_async({"frames": codec_frames(4)}, new)
+        # Keyed by the request's internal id, not the external one; first reason wins, drained once.
+        assert edge.sender.collect_failed_send_request_ids() == {"new-talker": DRAINING_REASON}
+        assert edge.sender.collect_failed_send_request_ids() == {}
+        assert len(edge.sender._pending_save_reqs) == 0
+
+        gate.release.set()
+        await settle(lambda: "R" not in edge.sender._sender_tokens and not store.segments(), "R retires")
+        # Once retired, the id is free again: a new generation is accepted and its R_1_0 survives.
+        assert await edge.sender.save_async({"frames": codec_frames(4)}, new)
+        await settle(lambda: store.segments() == ["R_1_0"], "the new generation's put")
+        code2wav = Request("new-code2wav", "R")
+        await edge.receiver.load_async(code2wav)
+        await settle(lambda: edge.receiver.pop_ready("new-code2wav"), "the new chunk is received")
+        assert code2wav.additional_information["codes"]["audio"].shape == (16, 4)
+        await edge.receiver.finish_requests([code2wav])
+        await edge.sender.cleanup_sender("R")
+        await settle(lambda: edge.sender.residue() == {} and not edge.c1.residue()["pending_keys"], "R retires")
+    edge.assert_clean()
+
+
+@pytest.mark.parametrize("reregister", [False, True], ids=["cleanup", "cleanup+reregister"])
+async def test_stale_receiver_entry_commits_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch, reregister: bool
+) -> None:
+    """#8082 (e): a get in flight across cleanup_receiver is consumed but never committed."""
+    edge = Edge(store)
+    payload = {"codes": {"audio": codec_frames(4)}, "meta": {"finished": torch.tensor(True)}}
+    gate = Gate(monkeypatch, edge.c2, "get", result=(payload, 123))
+    polls: list[bool] = []
+    poll = edge.receiver._poll_single_request
+
+    async def recorded_poll(entry: Any) -> bool:
+        drop = await poll(entry)
+        polls.append(drop)
+        return drop
+
+    monkeypatch.setattr(edge.receiver, "_poll_single_request", recorded_poll)
+    request = Request("R-code2wav", "R", prompt_token_ids=[7, 7], additional_information={"x": 1})
+    async with edge.running():
+        await edge.receiver.load_async(request)
+        with trio.fail_after(SETTLE_S):
+            await gate.started.wait()
+        await edge.receiver.cleanup_receiver("R-code2wav")
+        if reregister:
+            await edge.receiver.load_async(request)  # the same id registers again: a new entry
+        gate.release.set()
+        await settle(lambda: bool(polls), "the stale poll finishes")
+        assert polls[0] is True  # the stale entry is dropped
+        assert edge.receiver.request_ids_mapping.get("R-code2wav") is None or reregister
+        assert "R-code2wav" not in edge.receiver.get_req_chunk
+        assert "R-code2wav" not in edge.receiver.upstream_exhausted_requests
+        assert not edge.receiver.pop_ready("R-code2wav")
+        assert not edge.receiver.is_done_receiving_chunks("R-code2wav")
+        assert request.prompt_token_ids == [7, 7]
+        assert request.additional_information == {"x": 1}
+        if reregister:
+            assert set(edge.receiver._registered_load_entries) == {"R-code2wav"}
+        else:
+            assert edge.receiver.residue() == {}
+        await edge.receiver.cleanup_receiver("R-code2wav")
+        # A queued entry of a cleaned-up id is dropped on the loop's next pass (no tombstone).
+        await settle(lambda: edge.receiver.residue() == {}, "the stale entry is dropped")
+    edge.assert_clean()
+
+
+async def test_repeated_cleanup_of_unknown_ids_leaves_no_residue(store: Store) -> None:
+    edge = Edge(store)
+    for i in range(50):
+        await edge.receiver.cleanup_receiver(f"gone{i}-code2wav")
+        await edge.receiver.cleanup(f"gone{i}-code2wav")
+        await edge.sender.cleanup_sender(f"gone{i}")
+        await edge.sender.finish_requests([Request(f"gone{i}-talker", f"gone{i}")])
+    assert edge.receiver.residue() == {}
+    assert edge.sender.residue() == {}
+    edge.assert_clean()
+
+
+async def test_release_shm_resources_removes_an_unread_terminal_of_an_aborted_request(store: Store) -> None:
+    """Spec §3.6 O2 / §2.11: an abort while the terminal is queued still sends the terminal (the
+    #6670 fence), so no abort reclaim removes it; the request's final sweep does."""
+    edge = Edge(store)
+    talker = Request("R-talker", "R")
+    # Queued and aborted before the save loop runs: the cleanup is deferred to the terminal.
+    await send_chunks(edge.sender, talker, [4], finish=True)
+    await edge.sender.cleanup_sender("R")
+    token = edge.sender._sender_tokens["R"]
+    assert token.cancelled and token.cleanup_deferred and token.terminal_pending
+    async with edge.running():
+        await settle(lambda: edge.sender.residue() == {}, "the terminal is sent and R retires")
+        assert token.terminal_sent
+        assert store.segments() == ["R_1_0"]  # unread: downstream was aborted too
+        assert edge.c1.residue() == {"pending_keys": ["R_1_0"]}
+        with trio.fail_after(SETTLE_S):
+            removed = await edge.sender.release_shm_resources("R")
+        assert removed == 1
+        assert store.segments() == [] and store.lock_files() == []
+        assert edge.c1.residue() == {"pending_keys": []}
+    edge.assert_clean()
+
+
+# == Part B: the same races under the SimKernel, with the ordered strategy =====================
+
+
+def first_matches_in_order(lines: list[str], constraint: str) -> list[int]:
+    """Trace indices of the first event matching each element of a chain, in chain order."""
+    events = [json.loads(line) for line in lines]
+    found = []
+    start = 0
+    for pattern in parse_chain(constraint):
+        i = next(
+            (j for j in range(start, len(events)) if pattern.matches(events[j]["ev"], events[j]["a"])),
+            None,
+        )
+        assert i is not None, f"{pattern} does not happen after event {start}"
+        found.append(i)
+        start = i + 1
+    return found
+
+
+@pytest.mark.parametrize("scenario", ["abort_during_put", "stale_receiver_entry"])
+@pytest.mark.parametrize(("store_kind", "seeds"), [("memory", range(4)), ("posix", range(1))])
+def test_ordered_race_under_the_sim_kernel(scenario: str, store_kind: str, seeds: range) -> None:
+    registry.load()
+    (constraint,) = registry.get_scenario(scenario).constraints
+    for seed in seeds:
+        res = explore.run(scenario, seed=seed, strategy="ordered", store=store_kind)
+        assert res.violations == [], [v.as_dict() for v in res.violations]
+        assert res.unsatisfied == []
+        assert res.stop_reason is None
+        indices = first_matches_in_order(res.trace_lines, constraint)
+        assert indices == sorted(indices)
+        # Every ordered event is the first of its kind in the trace: the order was met as such.
+        events = [json.loads(line) for line in res.trace_lines]
+        for pattern, i in zip(parse_chain(constraint), indices, strict=True):
+            assert i == next(j for j, e in enumerate(events) if pattern.matches(e["ev"], e["a"]))

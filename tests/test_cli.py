@@ -1,0 +1,347 @@
+"""The ``omnisim`` command line (DESIGN "Command line (public contract)").
+
+Most commands run in-process through :func:`omnisim.cli.main`; two runs go through a subprocess
+to prove the console entry and its exit status. Exit status: 0 all invariants held, 1 a
+violation was found, 2 a usage or setup error. With ``--json`` the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnisim import cli, registry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SCENARIOS_8082_6670 = (
+    "abort_during_put",
+    "id_reuse_after_cancel",
+    "similar_ids",
+    "terminal_success_vs_failure",
+    "stale_receiver_entry",
+    "repeated_receiver_cleanups",
+    "idle_reap",
+    "unread_head_rotation",
+    "deserialize_failure",
+    "abort_with_terminal_queued",
+)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default output folders (``artifacts``, ``reports/latest``) land in the test's folder."""
+    monkeypatch.chdir(tmp_path)
+
+
+def omnisim(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_json(out: str) -> dict[str, Any]:
+    lines = out.strip().splitlines()
+    assert lines, "nothing was printed"
+    payload = json.loads(lines[-1])
+    assert isinstance(payload, dict)
+    return payload
+
+
+# -- list --------------------------------------------------------------------------------------
+
+
+def test_list_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = omnisim(capsys, "list", "scenarios")
+    assert code == 0, err
+    listed = {line.split()[0] for line in out.splitlines() if line.strip()}
+    assert set(SCENARIOS_8082_6670) <= listed
+
+    code, out, _ = omnisim(capsys, "list", "scenarios", "--json")
+    assert code == 0
+    assert set(SCENARIOS_8082_6670) <= set(last_json(out)["scenarios"])
+
+
+@pytest.mark.parametrize(
+    ("what", "some"),
+    [
+        ("mutants", {"prefix_cleanup", "num_puts_after_success", "no_terminal_fence"}),
+        ("invariants", {"no-orphan-shm", "no-orphan-lock", "no-tombstones", "liveness"}),
+        ("points", {"shm.put.begin", "shm.put.end", "orch.abort.begin", "adapter.cleanup_sender.end"}),
+    ],
+)
+def test_list_others(capsys: pytest.CaptureFixture[str], what: str, some: set[str]) -> None:
+    code, out, err = omnisim(capsys, "list", what, "--json")
+    assert code == 0, err
+    names = last_json(out)[what]
+    assert some <= set(names)
+    # The human lines name each entry with a one-line meaning.
+    for line, name in zip(out.splitlines()[:-1], names, strict=True):
+        assert line.startswith(name) and len(line.split(None, 1)) == 2
+
+
+# -- run, explore, replay ----------------------------------------------------------------------
+
+
+def test_run_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    code, out, err = omnisim(capsys, "run", "abort_during_put", "--json", "--trace", str(trace))
+    assert code == 0, err
+    payload = last_json(out)
+    assert {"scenario", "seed", "strategy", "violations", "trace_digest", "points"} <= set(payload)
+    assert payload["scenario"] == "abort_during_put"
+    assert payload["seed"] == 0
+    assert payload["strategy"] == "random"
+    assert payload["violations"] == []
+    lines = trace.read_text().splitlines()
+    assert payload["points"] == len(lines) > 0
+    assert payload["trace_digest"] == hashlib.sha256(trace.read_bytes()).hexdigest()
+
+
+def test_run_is_deterministic_and_seeds_matter(capsys: pytest.CaptureFixture[str]) -> None:
+    digests = []
+    for seed in ("3", "3", "4"):
+        code, out, _ = omnisim(capsys, "run", "abort_during_put", "--seed", seed, "--json")
+        assert code == 0
+        digests.append(last_json(out)["trace_digest"])
+    assert digests[0] == digests[1]
+    assert digests[0] != digests[2]
+
+
+def test_run_ordered_and_posix(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = omnisim(capsys, "run", "abort_during_put", "--strategy", "ordered", "--store", "posix", "--json")
+    assert code == 0, err
+    payload = last_json(out)
+    assert payload["strategy"] == "ordered"
+    assert payload["store"] == "posix"
+    assert payload["violations"] == [] and payload["unsatisfied"] == []
+
+
+def test_explore_clean_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = omnisim(capsys, "explore", "abort_during_put", "--budget", "20", "--json")
+    assert code == 0, err
+    payload = last_json(out)
+    assert {"scenario", "strategy", "schedules", "violations", "schedules_per_s", "first_violation_after"} <= set(
+        payload
+    )
+    assert payload["scenario"] == "abort_during_put"
+    assert payload["strategy"] == "random"
+    assert payload["schedules"] == 20
+    assert payload["violations"] == []
+    assert payload["first_violation_after"] is None
+    assert payload["schedules_per_s"] > 0
+    assert not Path("artifacts").exists()  # nothing failed, nothing saved
+
+
+def test_explore_finds_mutant_and_replay_reproduces(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    code, out, err = omnisim(
+        capsys,
+        "explore",
+        "similar_ids",
+        "--mutant",
+        "prefix_cleanup",
+        "--budget",
+        "200",
+        "--out",
+        str(out_dir),
+        "--json",
+    )
+    assert code == 1, err
+    payload = last_json(out)
+    assert payload["mutant"] == "prefix_cleanup"
+    assert payload["violations"], "the mutant was not detected"
+    assert payload["first_violation_after"] >= 1
+    found = payload["violations"][0]
+    artifact_path = Path(found["artifact"])
+    assert artifact_path.is_file() and artifact_path.parent == out_dir
+    assert {v["invariant"] for v in found["violations"]} >= {"exact-key-ownership"}
+    artifact = json.loads(artifact_path.read_text())
+    assert artifact["scenario"] == "similar_ids"
+    assert artifact["mutant"] == "prefix_cleanup"
+    assert artifact["seed"] == found["seed"]
+    assert artifact["choices"] and artifact["events"]
+
+    code, out, err = omnisim(capsys, "replay", str(artifact_path), "--json")
+    assert code == 1, err
+    replayed = last_json(out)
+    assert replayed["reproduced"] is True
+    assert replayed["trace_digest"] == artifact["trace_digest"]
+    assert replayed["expected_trace_digest"] == artifact["trace_digest"]
+    assert replayed["scenario"] == "similar_ids"
+    assert replayed["violations"] == artifact["violations"]
+    assert replayed["first_difference"] is None
+
+
+# -- usage errors: exit 2 and a clear message on stderr ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "no_such_scenario"], "unknown scenario 'no_such_scenario'"),
+        (["explore", "no_such_scenario", "--budget", "1"], "unknown scenario 'no_such_scenario'"),
+        (["run", "abort_during_put", "--mutant", "no_such_mutant"], "unknown mutant 'no_such_mutant'"),
+        (["explore", "abort_during_put", "--mutant", "no_such_mutant"], "unknown mutant 'no_such_mutant'"),
+        (["run", "abort_during_put", "--store", "tape"], "invalid choice: 'tape'"),
+        (["run", "abort_during_put", "--strategy", "telepathy"], "invalid choice: 'telepathy'"),
+        (["replay", "missing-artifact.json"], "cannot read artifact 'missing-artifact.json'"),
+        (["run", "repeated_receiver_cleanups", "--strategy", "ordered"], "declares no ordering constraints"),
+        (["explore", "--budget", "1"], "give a SCENARIO or --all"),
+        (["list", "everything"], "invalid choice: 'everything'"),
+        (["run", "abort_during_put", "--plugin", "no_such_plugin_module_xyz"], "cannot load plugin"),
+        (["run", "abort_during_put", "--plugin", "missing_plugin.py"], "does not exist"),
+    ],
+)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, out, err = omnisim(capsys, *argv)
+    assert code == 2
+    assert "omnisim: error:" in err and message in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+def test_replay_of_a_file_that_is_not_an_artifact_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text(json.dumps({"hello": "world"}))
+    code, _, err = omnisim(capsys, "replay", str(bogus))
+    assert code == 2
+    assert "is not an omnisim artifact" in err
+    bogus.write_text("{not json")
+    code, _, err = omnisim(capsys, "replay", str(bogus))
+    assert code == 2
+    assert "cannot read artifact" in err
+
+
+@pytest.mark.parametrize("order", ["a b < c", "a[k] < b", "just_one_event"])
+def test_bad_order_exits_2(capsys: pytest.CaptureFixture[str], order: str) -> None:
+    code, _, err = omnisim(capsys, "run", "abort_during_put", "--strategy", "ordered", "--order", order)
+    assert code == 2
+    assert "omnisim: error:" in err
+
+
+# -- plugins -----------------------------------------------------------------------------------
+
+PLUGIN = textwrap.dedent(
+    '''
+    """A third-party plugin: one scenario and one mutant, with omnisim's own decorators."""
+
+    from omnisim.registry import Patch, mutant, scenario
+    from runtime.transfer.adapter import ChunkTransferAdapter
+    from scenarios.edge import EdgeRequest, edge_world, serve
+
+    SCENARIO = "clitest_plugin_edge_roundtrip"
+    MUTANT = "clitest_plugin_forgetful_receiver"
+
+
+    @scenario(SCENARIO, summary="a plugin's own scenario: one request across the edge", issue="plugin",
+              build=edge_world)
+    async def roundtrip(world):
+        await serve(EdgeRequest(world, "P"), [2, 1])
+
+
+    @mutant(MUTANT, summary="a plugin's own mutant: receiver cleanup forgets nothing", issue="plugin",
+            scenarios=(SCENARIO,))
+    def forgetful_receiver():
+        async def cleanup_receiver(self, request_id):
+            return None
+
+        yield Patch(ChunkTransferAdapter, "cleanup_receiver", cleanup_receiver)
+    '''
+)
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The plugin file; whatever it registers goes into copies of the global registries, so it
+    is gone after the test (and registering it again in another test cannot clash)."""
+    path = tmp_path / "third_party_plugin.py"
+    path.write_text(PLUGIN)
+    registry.load()
+    monkeypatch.setattr(registry, "SCENARIOS", dict(registry.SCENARIOS))
+    monkeypatch.setattr(registry, "MUTANTS", dict(registry.MUTANTS))
+    before = set(sys.modules)
+    yield str(path)
+    for name in set(sys.modules) - before:
+        if name.startswith("omnisim_plugin_"):
+            del sys.modules[name]
+
+
+def test_plugin_registers_scenario_and_mutant(capsys: pytest.CaptureFixture[str], plugin: str, tmp_path: Path) -> None:
+    code, out, err = omnisim(capsys, "list", "scenarios", "--plugin", plugin)
+    assert code == 0, err
+    assert "clitest_plugin_edge_roundtrip" in {line.split()[0] for line in out.splitlines()}
+    code, out, err = omnisim(capsys, "list", "mutants", "--plugin", plugin, "--json")
+    assert code == 0, err
+    assert "clitest_plugin_forgetful_receiver" in last_json(out)["mutants"]
+
+    code, out, err = omnisim(capsys, "run", "clitest_plugin_edge_roundtrip", "--plugin", plugin, "--json")
+    assert code == 0, err
+    assert last_json(out)["violations"] == []
+
+    out_dir = tmp_path / "plugin-out"
+    code, out, err = omnisim(
+        capsys,
+        "explore",
+        "clitest_plugin_edge_roundtrip",
+        "--plugin",
+        plugin,
+        "--mutant",
+        "clitest_plugin_forgetful_receiver",
+        "--budget",
+        "10",
+        "--out",
+        str(out_dir),
+        "--json",
+    )
+    assert code == 1, err
+    payload = last_json(out)
+    assert {v["invariant"] for v in payload["violations"][0]["violations"]} >= {"no-tombstones"}
+    artifact = json.loads(Path(payload["artifact"]).read_text())
+    assert artifact["plugins"] == [os.path.abspath(plugin)]
+
+    # The artifact names its plugin, so replay needs no --plugin.
+    code, out, err = omnisim(capsys, "replay", payload["artifact"], "--json")
+    assert code == 1, err
+    assert last_json(out)["reproduced"] is True
+
+
+# -- the console entry -------------------------------------------------------------------------
+
+
+def console(*argv: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("omnisim")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "omnisim.cli"]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+
+
+def test_console_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    proc = console("run", "abort_during_put", "--seed", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    payload = last_json(proc.stdout)
+    assert payload["violations"] == []
+    # The same scenario, seed and strategy in this process give the byte-identical trace.
+    code, out, _ = omnisim(capsys, "run", "abort_during_put", "--seed", "5", "--json")
+    assert code == 0
+    assert last_json(out)["trace_digest"] == payload["trace_digest"]
+
+
+def test_module_entry_exit_status_for_usage_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnisim.cli", "run", "no_such_scenario"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 2
+    assert "omnisim: error: unknown scenario 'no_such_scenario'" in proc.stderr
