@@ -21,6 +21,9 @@ from omnisim.world import UsageError, World
 
 BUILTIN_PLUGIN = "scenarios"
 
+#: A scenario's workload: it drives the world's stages and returns when its requests are done.
+ScenarioBody = Callable[[World], Awaitable[None]]
+
 #: What a run checks unless the scenario says otherwise.
 DEFAULT_INVARIANTS = (
     "no-orphan-shm",
@@ -41,7 +44,7 @@ class Scenario:
     summary: str
     issue: str
     build: Callable[[str], World]
-    body: Callable[[World], Awaitable[None]]
+    body: ScenarioBody
     constraints: tuple[str, ...] = ()
     faults: Callable[[int], FaultPlan | None] = lambda seed: None
     invariants: tuple[str, ...] = DEFAULT_INVARIANTS
@@ -81,10 +84,10 @@ def scenario(
     faults: Callable[[int], FaultPlan | None] | None = None,
     invariants: tuple[str, ...] = DEFAULT_INVARIANTS,
     horizon_s: float = 20.0,
-) -> Callable[[Callable[[World], Awaitable[None]]], Callable[[World], Awaitable[None]]]:
+) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register the decorated ``async def body(world)`` as scenario ``name``."""
 
-    def register(body: Callable[[World], Awaitable[None]]) -> Callable[[World], Awaitable[None]]:
+    def register(body: ScenarioBody) -> ScenarioBody:
         if name in SCENARIOS:
             raise UsageError(f"scenario {name!r} is registered twice")
         SCENARIOS[name] = Scenario(

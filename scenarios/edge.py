@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from invariants.observed import Stream
+from omnisim.registry import ScenarioBody, scenario
 from omnisim.world import Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
@@ -39,6 +40,11 @@ def synthetic_codec_chunk(
     if frames is None or frames.shape[1] == 0:
         return None
     return {"codes": {"audio": frames}, "meta": {"left_context_size": 0}}
+
+
+def edge_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], ScenarioBody]:
+    """Register a scenario that runs at this edge (see :func:`omnisim.registry.scenario`)."""
+    return scenario(name, build=edge_world, **kwargs)
 
 
 def edge_world(store_kind: str) -> World:

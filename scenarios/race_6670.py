@@ -4,18 +4,16 @@ lost that terminal: a cleanup that discarded a queued terminal, and a parked sen
 from __future__ import annotations
 
 from omnisim.faults import Fault, FaultPlan
-from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.kernel import current_kernel
-from scenarios.edge import EdgeRequest, abort, consume, edge_world, produce, produce_then_finish, release, together
+from scenarios.edge import EdgeRequest, abort, consume, edge_scenario, produce, produce_then_finish, release, together
 
 
-@scenario(
+@edge_scenario(
     "abort_with_terminal_queued",
     summary="cleanup while the terminal is queued: the terminal still reaches Code2Wav (the fence); a failed "
     "fenced terminal still reclaims; an aborted request's fenced terminal is swept",
     issue="#6670 (a)",
-    build=edge_world,
     constraints=tuple(
         f"adapter.save_async[ext={ext},finished=True] < adapter.cleanup_sender.end[ext={ext}] "
         f"< adapter.send.begin[ext={ext},finished=True]"
@@ -53,12 +51,11 @@ async def abort_with_terminal_queued(world: World) -> None:
         await release(req)
 
 
-@scenario(
+@edge_scenario(
     "parked_sender_terminal",
     summary="a streaming request parked between segments gets its terminal update: the terminal is sent before "
     "the request is finished, even with its chunks still queued",
     issue="#6670 (b)",
-    build=edge_world,
 )
 async def parked_sender_terminal(world: World) -> None:
     req = EdgeRequest(world, "R")

@@ -7,7 +7,6 @@ ordering makes its race bite (``constraints``, used by the ``ordered`` strategy)
 from __future__ import annotations
 
 from omnisim.faults import Fault, FaultPlan
-from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.kernel import current_kernel
 from scenarios.edge import (
@@ -15,7 +14,7 @@ from scenarios.edge import (
     EdgeRequest,
     abort,
     consume,
-    edge_world,
+    edge_scenario,
     produce,
     produce_then_finish,
     release,
@@ -26,11 +25,10 @@ from scenarios.edge import (
 ABORTABLE = frozenset({"finished", "aborted"})
 
 
-@scenario(
+@edge_scenario(
     "abort_during_put",
     summary="abort while a chunk put is in flight: the abort returns at once, the put's segment is reclaimed",
     issue="#8082 (a)",
-    build=edge_world,
     constraints=(
         "shm.put.begin[key=R_1_0] < orch.abort.begin[req=R] < adapter.cleanup_sender.end[ext=R] "
         "< shm.put.end[key=R_1_0]",
@@ -47,12 +45,11 @@ async def abort_during_put(world: World) -> None:
     await release(req)
 
 
-@scenario(
+@edge_scenario(
     "id_reuse_after_cancel",
     summary="abort R with a put in flight, then reuse external id R: work for R is refused while the old "
     "generation drains, and the old reclaim never deletes the new generation's chunks",
     issue="#8082 (b)",
-    build=edge_world,
     constraints=(
         "shm.put.begin[key=R_1_0] < orch.abort.end[req=R] < adapter.save_async[req=new0-talker] "
         "< shm.put.end[key=R_1_0]",
@@ -101,11 +98,10 @@ async def id_reuse_after_cancel(world: World) -> None:
 SIBLING_SUFFIXES = ("_1_2", "_1", "_suffix")
 
 
-@scenario(
+@edge_scenario(
     "similar_ids",
     summary="abort 'task' while 'task_1_2', 'task_1' and 'task_suffix' hold unread chunks: siblings lose nothing",
     issue="#8082 (c)",
-    build=edge_world,
     constraints=(
         "shm.put.end[key=task_1_2_1_0] < shm.put.end[key=task_1_0] < orch.abort.begin[req=task] "
         "< adapter.cleanup_shm.begin[prefix=task_1] < shm.get.begin[key=task_1_2_1_0]",
@@ -132,12 +128,11 @@ async def similar_ids(world: World) -> None:
     await together(("siblings", siblings_then_consume), ("task", target_then_abort))
 
 
-@scenario(
+@edge_scenario(
     "terminal_success_vs_failure",
     summary="a sent terminal survives the sender's cleanup; a failed terminal (its segment left by a raising put) "
     "is reclaimed",
     issue="#8082 (d)",
-    build=edge_world,
     faults=lambda seed: FaultPlan([Fault("put_raise_after_create", match={"key": "bad_1_2"})], seed),
 )
 async def terminal_success_vs_failure(world: World) -> None:
@@ -161,11 +156,10 @@ async def terminal_success_vs_failure(world: World) -> None:
     await release(bad)
 
 
-@scenario(
+@edge_scenario(
     "stale_receiver_entry",
     summary="cleanup_receiver (and a re-registration of the same id) while a get is in flight: nothing is resurrected",
     issue="#8082 (e)",
-    build=edge_world,
     constraints=(
         "shm.get.locked[key=R_1_0] < adapter.cleanup_receiver.begin[req=R-code2wav] "
         "< orch.reregister[req=R-code2wav] < shm.get.consumed[key=R_1_0]",
@@ -192,11 +186,10 @@ async def stale_receiver_entry(world: World) -> None:
     await release(req)
 
 
-@scenario(
+@edge_scenario(
     "repeated_receiver_cleanups",
     summary="many cleanups of requests that were never queued, and of one that was: no receiver residue remains",
     issue="#8082 (f)",
-    build=edge_world,
 )
 async def repeated_receiver_cleanups(world: World) -> None:
     code2wav = world.stages[2].adapter
@@ -208,11 +201,10 @@ async def repeated_receiver_cleanups(world: World) -> None:
         await code2wav.cleanup_receiver(req.receiver.request_id)
 
 
-@scenario(
+@edge_scenario(
     "idle_reap",
     summary="after the last send, an idle save loop forgets every key the consumer took",
     issue="#8082 (g)",
-    build=edge_world,
 )
 async def idle_reap(world: World) -> None:
     # No final sweep here: it would forget the consumed keys itself and hide a missing reap.
@@ -223,11 +215,10 @@ async def idle_reap(world: World) -> None:
     )
 
 
-@scenario(
+@edge_scenario(
     "unread_head_rotation",
     summary="65 unread keys at the head of the pending set do not starve the reap of 65 consumed keys behind them",
     issue="#8082 (h)",
-    build=edge_world,
     horizon_s=40.0,
 )
 async def unread_head_rotation(world: World) -> None:
@@ -249,11 +240,10 @@ async def unread_head_rotation(world: World) -> None:
     await release(unread)
 
 
-@scenario(
+@edge_scenario(
     "deserialize_failure",
     summary="a payload that fails to decode after its bytes were taken leaves no segment, lock file or pending key",
     issue="#8082 (i)",
-    build=edge_world,
     faults=lambda seed: FaultPlan([Fault("decode_fail", match={"key": "R_1_0"})], seed),
 )
 async def deserialize_failure(world: World) -> None:
