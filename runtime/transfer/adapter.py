@@ -671,7 +671,8 @@ class ChunkTransferAdapter:
         generation. It returns once the sweep ran, so an orchestrator that reuses ``ext`` after it
         can be sure no stale chunk of the old generation is left for the new receiver to read.
         """
-        if not self._saving:  # no save loop (not started, stopped, or a stage that never sends)
+        if not self.sends_chunks or (self._stopped and not self._saving):
+            # No save loop will run (a stage that never sends, or one shut down): sweep here.
             return await self.connector.cleanup_prefix(f"{ext}_{self.stage_id}_")
         task = ReleaseTask(ext)
         self._pending_save_reqs.append(task)

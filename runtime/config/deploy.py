@@ -1,0 +1,118 @@
+"""The deploy file: how a pipeline runs (the ``deploy:`` section).
+
+It holds the pipeline-wide ``async_chunk`` switch, each stage's opt-out and placement, and the
+codec chunk frame settings the Talker → Code2Wav processor reads. Upstream keeps the frame
+settings in the connector's ``extra`` config; there is one codec edge per pipeline here, so they
+sit at the top of the deploy section under upstream's key names.
+
+Values are only parsed and type-checked here; what they mean together (the resolution table and
+the edge rules) lives in :mod:`runtime.config.resolve`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from runtime.config.fields import ConfigError, Fields
+
+
+class ConnectorRole(StrEnum):
+    """A stage's connector role (upstream ``stage_connector_config.extra.role``, spec §1.4)."""
+
+    #: Sends chunks downstream but never receives any, even when its async_chunk resolves on.
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+@dataclass(frozen=True)
+class CodecChunking:
+    """Codec frames per chunk on the Talker → Code2Wav edge (spec §4.1).
+
+    The defaults are the processor's own, used when the deploy file leaves the keys out; the
+    Qwen3-Omni deploy sets 4 / 25 / 25 (spec §9).
+    """
+
+    #: Frames in chunk 0, for a short time to first audio; 0 disables the initial chunk.
+    initial_codec_chunk_frames: int = 0
+    codec_chunk_frames: int = 25
+    #: Frames re-sent before each chunk so the decoder sees enough left context.
+    codec_left_context_frames: int = 25
+
+
+@dataclass(frozen=True)
+class StageDeploy:
+    """One stage's deploy settings."""
+
+    #: None inherits the pipeline-wide value; False opts the stage out; True cannot turn a global
+    #: "off" back on (spec §1.2).
+    async_chunk: bool | None = None
+    #: AR scheduler flavour; the generation scheduler ignores it. Distinct from async_chunk.
+    async_scheduling: bool = False
+    device: str = "cpu"
+    connector_role: ConnectorRole | None = None
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """The deploy section; ``stages[i]`` belongs to stage ``i`` (absent stages get the defaults)."""
+
+    #: Pipeline-wide switch for incremental inter-stage handoff; upstream's default is on.
+    async_chunk: bool = True
+    chunking: CodecChunking = field(default_factory=CodecChunking)
+    stages: tuple[StageDeploy, ...] = ()
+
+    def stage(self, stage_id: int) -> StageDeploy:
+        return self.stages[stage_id]
+
+
+DEPLOY_KEYS = ("async_chunk", "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames", "stages")
+STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(device: str, path: str) -> str:
+    if not DEVICE.fullmatch(device):
+        raise ConfigError(f"{path}: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
+def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployConfig:
+    """Read and check the deploy section of a pipeline with ``num_stages`` stages.
+
+    ``raw`` None (no deploy section) gives every default.
+    """
+    fields = Fields({} if raw is None else raw, path, DEPLOY_KEYS)
+    defaults = CodecChunking()
+    chunking = CodecChunking(
+        initial_codec_chunk_frames=fields.get_int(
+            "initial_codec_chunk_frames", defaults.initial_codec_chunk_frames, minimum=0
+        ),
+        codec_chunk_frames=fields.get_int("codec_chunk_frames", defaults.codec_chunk_frames, minimum=1),
+        codec_left_context_frames=fields.get_int(
+            "codec_left_context_frames", defaults.codec_left_context_frames, minimum=0
+        ),
+    )
+    stages = [StageDeploy()] * num_stages
+    seen: set[int] = set()
+    for i, entry in enumerate(fields.get_list("stages")):
+        at = f"{fields.at('stages')}[{i}]"
+        stage_fields = Fields(entry, at, STAGE_KEYS)
+        stage_id = stage_fields.get_int("stage_id", minimum=0)
+        if stage_id >= num_stages:
+            raise ConfigError(f"{stage_fields.at('stage_id')}: the pipeline has no stage {stage_id}")
+        if stage_id in seen:
+            raise ConfigError(f"{stage_fields.at('stage_id')}: stage {stage_id} is configured twice")
+        seen.add(stage_id)
+        stages[stage_id] = StageDeploy(
+            async_chunk=stage_fields.get_optional_bool("async_chunk"),
+            async_scheduling=stage_fields.get_bool("async_scheduling", False),
+            device=check_device(stage_fields.get_str("device", "cpu"), stage_fields.at("device")),
+            connector_role=stage_fields.get_optional_enum("connector_role", ConnectorRole),
+        )
+    return DeployConfig(
+        async_chunk=fields.get_bool("async_chunk", True),
+        chunking=chunking,
+        stages=tuple(stages),
+    )
