@@ -71,3 +71,24 @@ def liveness(world: ObservedWorld) -> list[str]:
 @invariant("no-crash", "no runtime task dies with an exception")
 def no_crash(world: ObservedWorld) -> list[str]:
     return [f"task {task} crashed: {tb.splitlines()[-1]}" for task, tb in world.crashes]
+
+
+@invariant(
+    "samples-exactly-once",
+    "a finished stream delivers every codec frame its producer made, once each, in order",
+)
+def samples_exactly_once(world: ObservedWorld) -> list[str]:
+    out = []
+    for s in world.streams.values():
+        if s.outcome != "finished" or not s.sent_frames:
+            continue
+        if s.received_frames != s.sent_frames:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(s.sent_frames, s.received_frames, strict=False)) if a != b),
+                min(len(s.sent_frames), len(s.received_frames)),
+            )
+            out.append(
+                f"request {s.request_id} received {len(s.received_frames)} frames for {len(s.sent_frames)} sent; "
+                f"first difference at frame {first}"
+            )
+    return out

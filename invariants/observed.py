@@ -74,6 +74,9 @@ class Stream:
     outcome: str = "open"  # open | finished | aborted | failed
     #: Outcomes this request may legitimately end with (an abort may race the terminal).
     allowed_outcomes: frozenset[str] = frozenset({"finished"})
+    #: The frames themselves (codebook 0..15 of each), where a scenario records content.
+    sent_frames: list[tuple[int, ...]] = field(default_factory=list)
+    received_frames: list[tuple[int, ...]] = field(default_factory=list)
     #: False where the sender stage is finished externally: its queued chunks may be vetoed, but
     #: the terminal must still arrive (#6670).
     complete_required: bool = True

@@ -32,6 +32,7 @@ DEFAULT_INVARIANTS = (
     "exact-key-ownership",
     "no-stale-commit",
     "terminal-delivered",
+    "samples-exactly-once",
     "abort-non-blocking",
     "liveness",
     "no-crash",

@@ -361,8 +361,7 @@ class ChunkTransferAdapter:
             "transfer_manager": self,
             "multimodal_output": task.multimodal_output,
             "request": task.request,
-            # The flush signal (#5413): a terminal must flush the processor's remainder.
-            "is_finished": task.is_segment_finished or task.is_finished,
+            "is_finished": self._flush_signal(task),
         }
         if self._processor_takes_new_ids:
             kwargs["new_token_ids"] = task.new_token_ids
@@ -371,6 +370,12 @@ class ChunkTransferAdapter:
         except Exception:
             log.exception("processor failed for %s; sending no data", task.request.request_id)
             return None
+
+    @staticmethod
+    def _flush_signal(task: SaveTask) -> bool:
+        """What the processor sees as ``is_finished``: a segment end *or* a terminal must flush its
+        remainder (#5413; the wire's is_segment_finished stays False on a terminal)."""
+        return task.is_segment_finished or task.is_finished
 
     async def _send_for_generation(self, task: SaveTask, token: SenderGeneration) -> None:
         k = current_kernel()

@@ -1,0 +1,95 @@
+"""The Talker → Code2Wav edge with the real codec processor (``talker2code2wav_async_chunk``):
+frames stepped out one at a time, chunked 4 / 25 / 25, and checked frame by frame downstream."""
+
+from __future__ import annotations
+
+import torch
+
+from omnisim.registry import scenario
+from omnisim.world import World
+from runtime.config.deploy import CodecChunking
+from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
+from runtime.request import RequestStatus
+from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, EdgeRequest, check_failures, release, together
+
+#: The Qwen3-Omni deploy's chunking (spec §9).
+OMNI_CHUNKING = CodecChunking(initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25)
+PREFILL_STEPS = 2
+
+
+def codec_world(store_kind: str) -> World:
+    world = World(store_kind)
+    world.add_stage(TALKER, processor=Talker2Code2WavAsyncChunk(OMNI_CHUNKING), receives=False)
+    world.add_stage(CODE2WAV, sends=False)
+    return world
+
+
+def codec_frame(request_index: int, i: int) -> torch.Tensor:
+    """Frame i of a request: distinct per request and frame, never all-zero, never a stop frame."""
+    return (torch.arange(16) + 16 * i + 1 + 997 * request_index).reshape(1, 16) % 2048
+
+
+async def talk(req: EdgeRequest, n_frames: int, request_index: int) -> None:
+    """The Talker's steps: all-zero prefill placeholders, ``n_frames`` frames, then the stop frame
+    on the finishing step (so the finish call itself brings no new frame)."""
+    steps = [torch.zeros(1, 16, dtype=torch.int64)] * PREFILL_STEPS
+    steps += [codec_frame(request_index, i) for i in range(n_frames)]
+    steps.append(torch.full((1, 16), STOP_TOKEN, dtype=torch.int64))
+    for i, step in enumerate(steps):
+        if req.stream.outcome != "open":
+            return
+        if i == len(steps) - 1:
+            req.sender.status = RequestStatus.FINISHED_STOPPED
+        req.sender.num_computed_tokens += 1
+        if PREFILL_STEPS <= i < PREFILL_STEPS + n_frames:
+            req.stream.sent_frames.append(tuple(step.reshape(-1).tolist()))
+        await req.talker.adapter.save_async({"codes": {"audio": step}}, req.sender)
+    req.stream.frames_sent = n_frames
+
+
+async def listen(req: EdgeRequest) -> None:
+    """Code2Wav's side: each chunk is codebook-major ``[16, n]`` with ``left_context_size`` frames
+    of context in front; only the frames after it are new."""
+    adapter = req.code2wav.adapter
+    request = req.receiver
+    while req.stream.outcome == "open":
+        await adapter.load_async(request)
+        while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
+            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+            await check_failures(req.world)
+        if req.stream.outcome != "open":
+            return
+        ids = request.prompt_token_ids
+        n = len(ids) // 16
+        left = int(((request.additional_information or {}).get("meta") or {}).get("left_context_size", 0)) if n else 0
+        codes = torch.tensor(ids, dtype=torch.int64).reshape(16, n) if n else torch.empty(16, 0, dtype=torch.int64)
+        new = [tuple(codes[:, j].tolist()) for j in range(left, n)]
+        req.stream.received_frames.extend(new)
+        finished = adapter.is_done_receiving_chunks(request.request_id)
+        req.stream.chunks.append((len(new), finished))
+        if finished:
+            req.stream.outcome = "finished"
+    await adapter.finish_requests([request])
+
+
+#: Frame counts that hit every branch of the chunker: inside the initial chunk, a remainder after
+#: chunk 1, exactly on a boundary (the finish brings no frame: empty terminal), and a long one.
+LENGTHS = {"short": 3, "remainder": 10, "boundary": 29, "long": 60}
+
+
+@scenario(
+    "codec_chunk_boundaries",
+    summary="requests of 3, 10, 29 and 60 codec frames through the real 4/25/25 chunker: every frame arrives "
+    "once, in order, codebook-major, and the terminal flushes the remainder",
+    issue="#5413, codebook-major layout",
+    build=codec_world,
+)
+async def codec_chunk_boundaries(world: World) -> None:
+    reqs = {name: EdgeRequest(world, name) for name in LENGTHS}
+    jobs = []
+    for index, (name, req) in enumerate(reqs.items()):
+        jobs.append((f"{name}.talk", lambda req=req, index=index, name=name: talk(req, LENGTHS[name], index)))
+        jobs.append((f"{name}.listen", lambda req=req: listen(req)))
+    await together(*jobs)
+    for req in reqs.values():
+        await release(req)
