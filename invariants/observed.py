@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 from runtime.kernel import Attr
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_quote = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
 class TraceEvent(NamedTuple):
@@ -26,8 +27,12 @@ class TraceEvent(NamedTuple):
     attrs: dict[str, Attr]
 
     def canonical(self) -> str:
-        return _CANONICAL.encode(
-            {"i": self.index, "t": self.time_us, "task": self.task, "ev": self.name, "a": self.attrs}
+        """The event as one line of canonical JSON (sorted keys, no spaces, ASCII only)."""
+        # Assembled by hand in sorted key order: one is made per event, and this is what
+        # json.dumps(sort_keys=True, separators=(",", ":")) would produce, at half the cost.
+        return (
+            f'{{"a":{_CANONICAL.encode(self.attrs)},"ev":{_quote(self.name)},"i":{self.index},'
+            f'"t":{self.time_us},"task":{_quote(self.task)}}}'
         )
 
     def matches(self, name: str, attrs: dict[str, str]) -> bool:

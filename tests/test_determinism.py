@@ -48,3 +48,13 @@ def test_different_seeds_give_different_schedules() -> None:
     registry.load()
     digests = {run("abort_during_put", seed=s).trace_digest for s in range(10)}
     assert len(digests) > 1
+
+
+def test_trace_lines_are_canonical_json() -> None:
+    import json as _json
+
+    from invariants.observed import TraceEvent
+
+    event = TraceEvent(3, 10, 'ta"sk', "ev.x", {"z": 1, "a": "é", "m": None, "b": True})
+    expected = {"i": 3, "t": 10, "task": 'ta"sk', "ev": "ev.x", "a": event.attrs}
+    assert event.canonical() == _json.dumps(expected, sort_keys=True, separators=(",", ":"))
