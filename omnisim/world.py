@@ -58,6 +58,8 @@ class World:
         #: The scenario's request objects, for the orchestrator-side helpers.
         self.requests: list[Any] = []
         self.probe_failures: dict[str, list[str]] = {}
+        #: Further components whose residue() the snapshots include (e.g. a scheduler).
+        self.components: dict[str, Any] = {}
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
         """Record a violation of ``invariant`` seen by the scenario itself during the run."""
@@ -83,6 +85,8 @@ class World:
         for sid, stage in self.stages.items():
             residue[f"stage{sid}.adapter"] = stage.adapter.residue()
             residue[f"stage{sid}.connector"] = stage.connector.residue()
+        for name, component in self.components.items():
+            residue[name] = component.residue()
         store = StoreSnapshot(self.store.segments(), self.store.lock_files())
         self.snapshots.append(Snapshot(label, {self.store_kind: store}, residue))
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from omnisim.registry import Patch, mutant
+from runtime.models import code2wav
 from runtime.processors import talker2code2wav
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 
@@ -32,3 +33,16 @@ def no_codebook_major_transpose() -> Iterator[Patch]:
         return torch.cat(frames, dim=0).reshape(-1)
 
     yield Patch(talker2code2wav, "codebook_major", codebook_major)
+
+
+@mutant(
+    "stream_slice_ignores_tail",
+    summary="the streaming Code2Wav slice is [left·1920 : n·1920]: every chunk boundary loses the 555-sample tail",
+    issue="#4706",
+    scenarios=("code2wav_stream",),
+)
+def stream_slice_ignores_tail() -> Iterator[Patch]:
+    def stream_slice(left_frames: int, n_frames: int, tail: int) -> tuple[int, int]:
+        return left_frames * code2wav.TOTAL_UPSAMPLE, n_frames * code2wav.TOTAL_UPSAMPLE
+
+    yield Patch(code2wav, "stream_slice", stream_slice)

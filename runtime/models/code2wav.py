@@ -159,6 +159,21 @@ _warned_missing_meta = False
 
 
 @torch.no_grad()
+def stream_slice(left_frames: int, n_frames: int, tail: int) -> tuple[int, int]:
+    """The samples a streamed chunk emits (#4706): shifted left by the decoder's right deficit, so
+    each chunk first refills the previous chunk's trimmed tail from its re-decoded context."""
+    return max(0, left_frames * TOTAL_UPSAMPLE - tail), max(0, n_frames * TOTAL_UPSAMPLE - tail)
+
+
+def decode_chunks(model: Code2Wav, chunks: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+    """Decode a batch of streamed chunks, each ``(codebook-major flat ids, left context frames)``,
+    into the samples each one emits (``[1, L]`` float32 tensors)."""
+    counts = [len(ids) for ids, _ in chunks]
+    flat = torch.tensor([i for ids, _ in chunks for i in ids], dtype=torch.int64)
+    codes = unflatten_codes(flat, counts).to(module_device(model))
+    return chunked_decode_streaming(model, codes, [left for _, left in chunks], counts)
+
+
 def chunked_decode_streaming(
     model: Code2Wav,
     codes: torch.Tensor,
@@ -199,9 +214,7 @@ def chunked_decode_streaming(
     tail = max(0, codes.shape[-1] * TOTAL_UPSAMPLE - wav.shape[-1])
     out: list[torch.Tensor] = []
     for i in range(batch):
-        n_frames = seq_token_counts[i] // NUM_QUANTIZERS
-        start = max(0, left_context_size[i] * TOTAL_UPSAMPLE - tail)
-        end = max(0, n_frames * TOTAL_UPSAMPLE - tail)
+        start, end = stream_slice(left_context_size[i], seq_token_counts[i] // NUM_QUANTIZERS, tail)
         # A copy, not a view: a view would keep (and a serializer might ship) the whole batch's audio.
         out.append(wav[i, :, start:end].clone())
     return out

@@ -1,0 +1,52 @@
+"""The generation scheduler's own rules (the code2wav_stream scenario drives it end to end)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import MemoryStore
+from runtime.request import Request, RequestStatus
+from runtime.sched.generation import GenerationScheduler, validate_input_wait_timeout
+from runtime.transfer.adapter import ChunkTransferAdapter
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan])
+def test_a_bad_input_wait_deadline_is_a_startup_error(bad: float) -> None:
+    with pytest.raises(ValueError, match="input wait timeout"):
+        validate_input_wait_timeout(bad)
+
+
+def make_scheduler(timeout: float) -> GenerationScheduler:
+    adapter = ChunkTransferAdapter(ShmConnector(MemoryStore(), stage_id=2), sends_chunks=False)
+    return GenerationScheduler(adapter, lambda chunks: [], input_wait_timeout_s=timeout)
+
+
+async def test_a_request_without_input_parks_and_then_times_out() -> None:
+    import trio
+
+    scheduler = make_scheduler(0.05)
+    request = Request("r-code2wav", "r")
+    scheduler.add_request(request)
+    assert await scheduler.step() == []
+    assert request.status is RequestStatus.WAITING_FOR_CHUNK  # parked for its first chunk
+    await trio.sleep(0.1)
+    (out,) = await scheduler.step()
+    assert out.finished and out.error and "Timed out waiting for connector input" in out.error
+    assert scheduler.residue() == {} and request.status is RequestStatus.FINISHED_ERROR
+
+
+async def test_zero_disables_the_deadline_and_abort_frees_the_request() -> None:
+    scheduler = make_scheduler(0)
+    request = Request("r-code2wav", "r")
+    scheduler.add_request(request)
+    await scheduler.step()
+    out = await scheduler.abort("r-code2wav")
+    assert out is not None and out.error == "aborted"
+    assert await scheduler.step() == []  # the parked request is purged, never re-injected (#3736)
+    assert scheduler.residue() == {}
+    # Only the receive queue still lists the stale entry: no receive loop runs in this test, and
+    # the loop drops an entry whose registration is gone on its next pass.
+    assert set(scheduler.adapter.residue()) == {"pending_load_reqs"}
