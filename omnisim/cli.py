@@ -220,6 +220,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    """One request through the real pipeline on the real kernel and /dev/shm."""
+    from omnisim.pipeline_cli import run_pipeline
+
+    payload = run_pipeline(args)
+    if args.json:
+        print(json.dumps(payload, sort_keys=True))
+    return 0 if not payload["residue"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omnisim", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="show the runtime's log")
@@ -294,6 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reps-scale", type=float, default=1.0)
     sp.add_argument("--upstream", action="store_true", help="also time upstream's connector (needs its wheel)")
     sp.set_defaults(func=cmd_bench, plugin=[])
+    sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
+    psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser)
+    sp = psub.add_parser("run", help="one request: text and audio out, a WAV written")
+    sp.add_argument("--text", required=True)
+    sp.add_argument("--modalities", default="text,audio")
+    sp.add_argument("--out", default="out.wav", help="the 24 kHz WAV to write (default: %(default)s)")
+    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    sp.add_argument("--word-timestamps", action="store_true")
+    sp.add_argument("--async-chunk", choices=("on", "off"), default="on")
+    sp.add_argument("--store", choices=STORES, default="posix")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_pipeline, plugin=[])
     return p
 
 
