@@ -1,3 +1,11 @@
 """Built-in scenarios and mutants: the seed's race cases, registered with omnisim's decorators."""
 
-from scenarios import codec, mutants_6670, mutants_8082, mutants_codec, race_6670, race_8082  # noqa: F401
+from scenarios import (  # noqa: F401
+    codec,
+    config_contract,
+    mutants_6670,
+    mutants_8082,
+    mutants_codec,
+    race_6670,
+    race_8082,
+)

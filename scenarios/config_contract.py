@@ -1,0 +1,126 @@
+"""The configuration contract of spec §1 and #7544, checked as a scenario so its mutants run
+through the same harness: the resolution table, prewarm, delivery, and the start-up validator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from omnisim.registry import Patch, mutant, scenario
+from omnisim.world import World
+from runtime.config import resolve
+from runtime.config.fields import ConfigError
+from runtime.config.pipeline import build_pipeline, load_pipeline
+
+#: (pipeline-wide, stage) -> resolved async_chunk (spec §1.2).
+RESOLUTION_TABLE = {
+    (False, None): False,
+    (False, False): False,
+    (False, True): False,
+    (True, None): True,
+    (True, True): True,
+    (True, False): False,
+}
+
+
+def omni_raw() -> dict[str, Any]:
+    text = (resources.files("runtime.config") / "configs" / "qwen3_omni.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def set_stage(raw: dict[str, Any], stage_id: int, **values: Any) -> None:
+    stages = raw.setdefault("deploy", {}).setdefault("stages", [])
+    entry = next((e for e in stages if e["stage_id"] == stage_id), None)
+    if entry is None:
+        entry = {"stage_id": stage_id}
+        stages.append(entry)
+    entry.update(values)
+
+
+def no_world(store_kind: str) -> World:
+    return World(store_kind)
+
+
+@scenario(
+    "config_contract",
+    summary="async_chunk resolution (and, never or), the aligner opt-out, any_stage_async, prewarm, delivery and the "
+    "start-up edge validator, on the shipped configs and their variants",
+    issue="#7544, spec §1",
+    build=no_world,
+    invariants=("config-contract", "no-crash"),
+)
+async def config_contract(world: World) -> None:
+    def expect(ok: bool, message: str) -> None:
+        world.probe("config-contract", ok, message)
+
+    for (pipeline, stage), want in RESOLUTION_TABLE.items():
+        got = resolve.resolve_stage_async_chunk(pipeline, stage)
+        expect(got == want, f"pipeline {pipeline} with stage {stage} resolves {got}, expected {want}")
+
+    tts = load_pipeline("qwen3_tts_aligner")
+    aligner = tts.stages[-1].stage_id
+    expect(not tts.resolved_async_chunk(aligner), "the aligner's async_chunk: false is ignored")
+    expect(aligner not in tts.prewarm_stages(), "the aligner is prewarmed: a word-timestamp request would hang")
+    expect(tts.delivery((aligner - 1, aligner)) == "forward", "the aligner does not receive the full payload")
+
+    raw = omni_raw()
+    del raw["pipeline"]["stages"][0]["async_chunk_processor"]
+    raw["deploy"]["async_chunk"] = True
+    set_stage(raw, 0, async_chunk=False)
+    set_stage(raw, 1, connector_role="sender")
+    mixed = build_pipeline(raw)
+    expect(mixed.any_stage_async(), "with [False, True, True] the engine's async flag mirrors stage 0")
+    expect(mixed.delivery((1, 2)) == "chunks", "with [False, True, True] Talker -> Code2Wav stops chunking")
+
+    raw = omni_raw()
+    raw["deploy"]["async_chunk"] = True
+    for stage_id, value in enumerate([False, False, True]):
+        set_stage(raw, stage_id, async_chunk=value)
+    try:
+        build_pipeline(raw)
+        expect(False, "Talker(False) -> Code2Wav(True) was accepted at start-up; it hangs at run time")
+    except ConfigError:
+        pass
+
+
+@mutant(
+    "resolve_with_or",
+    summary="async_chunk resolves with 'or': a stage True overrides a global False",
+    issue="#7544",
+    scenarios=("config_contract",),
+)
+def resolve_with_or() -> Iterator[Patch]:
+    yield Patch(resolve, "resolve_stage_async_chunk", lambda pipeline, stage: bool(pipeline or stage))
+
+
+@mutant(
+    "aligner_opt_out_ignored",
+    summary="a stage's async_chunk: false is ignored: the aligner inherits True",
+    issue="#7544",
+    scenarios=("config_contract",),
+)
+def aligner_opt_out_ignored() -> Iterator[Patch]:
+    yield Patch(resolve, "resolve_stage_async_chunk", lambda pipeline, stage: bool(pipeline))
+
+
+@mutant(
+    "engine_mirrors_stage0",
+    summary="the engine's async_chunk mirrors stage 0 instead of any stage",
+    issue="#7544",
+    scenarios=("config_contract",),
+)
+def engine_mirrors_stage0() -> Iterator[Patch]:
+    yield Patch(resolve, "any_stage_async", lambda resolved: next(iter(resolved), False))
+
+
+@mutant(
+    "edge_validator_removed",
+    summary="the start-up edge validator is gone: incompatible edges are accepted",
+    issue="#7544",
+    scenarios=("config_contract",),
+)
+def edge_validator_removed() -> Iterator[Patch]:
+    yield Patch(resolve, "validate", lambda topology, deploy: None)
