@@ -10,6 +10,7 @@ import torch
 from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.config.deploy import CodecChunking
+from runtime.kernel import current_kernel
 from runtime.models.code2wav import Code2Wav, decode_chunks, frames_to_codes
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
 from runtime.request import RequestStatus
@@ -105,24 +106,31 @@ def code2wav_model() -> Code2Wav:
     return Code2Wav()
 
 
-async def code2wav_stage(world: World, reqs: list[EdgeRequest]) -> None:
+def code2wav_scheduler(world: World, reqs: list[EdgeRequest]) -> GenerationScheduler:
+    """Code2Wav's generation scheduler, decoding with the real model; it records, per chunk, the
+    frames it was asked to emit (for the frame-level invariant)."""
+    model = code2wav_model()
+    by_id = {req.receiver.request_id: req for req in reqs}
+
+    def run_model(chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
+        for chunk in chunks:
+            n = len(chunk.prompt_token_ids) // 16
+            codes = torch.tensor(chunk.prompt_token_ids, dtype=torch.int64).reshape(16, n)
+            stream = by_id[chunk.request.request_id].stream
+            stream.received_frames.extend(tuple(codes[:, j].tolist()) for j in range(chunk.left_context_size, n))
+        return decode_chunks(model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
+
+    scheduler = GenerationScheduler(world.stages[CODE2WAV].adapter, run_model)
+    world.components["code2wav.scheduler"] = scheduler
+    return scheduler
+
+
+async def code2wav_stage(world: World, scheduler: GenerationScheduler, reqs: list[EdgeRequest]) -> None:
     """Code2Wav as the pipeline runs it: its generation scheduler decodes each chunk as it is
     committed and streams the audio to the client, until every request ended."""
     adapter = world.stages[CODE2WAV].adapter
     model = code2wav_model()
     by_id = {req.receiver.request_id: req for req in reqs}
-    new_frames: dict[str, int] = {}
-
-    def run_model(chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
-        for chunk in chunks:  # what the decoder is asked to emit, frame by frame, for the invariants
-            n = len(chunk.prompt_token_ids) // 16
-            codes = torch.tensor(chunk.prompt_token_ids, dtype=torch.int64).reshape(16, n)
-            stream = by_id[chunk.request.request_id].stream
-            stream.received_frames.extend(tuple(codes[:, j].tolist()) for j in range(chunk.left_context_size, n))
-            new_frames[chunk.request.request_id] = n - chunk.left_context_size
-        return decode_chunks(model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
-
-    scheduler = GenerationScheduler(adapter, run_model)
     audio: dict[str, list[torch.Tensor]] = {rid: [] for rid in by_id}
     for req in reqs:
         scheduler.add_request(req.receiver)
@@ -132,12 +140,11 @@ async def code2wav_stage(world: World, reqs: list[EdgeRequest]) -> None:
             req = by_id[out.request_id]
             if out.data is not None:
                 audio[out.request_id].append(out.data.reshape(-1))
-            req.stream.chunks.append((new_frames.pop(out.request_id, 0), out.finished))
-            if out.finished:
+            req.stream.chunks.append((0, out.finished))
+            if out.finished and req.stream.outcome == "open":
                 req.stream.outcome = "finished" if out.error is None else "failed"
         if not outputs:
             await adapter.chunk_ready.wait(IDLE_WAIT_S)
-    world.components["code2wav.scheduler"] = scheduler
     for rid, req in by_id.items():
         if req.stream.outcome != "finished":
             continue
@@ -162,9 +169,27 @@ async def code2wav_stage(world: World, reqs: list[EdgeRequest]) -> None:
     horizon_s=60.0,
 )
 async def code2wav_stream(world: World) -> None:
-    lengths = {"short": 3, "remainder": 10, "long": 60}
+    lengths = {"short": 3, "remainder": 10, "long": 60, "gone": 30}
     reqs = [EdgeRequest(world, name) for name in lengths]
+    for req in reqs:
+        # Frames are checked for content below; the count check belongs to the codec scenario.
+        req.stream.complete_required = False
+    gone = reqs[-1]
+    gone.stream.allowed_outcomes = frozenset({"finished", "aborted"})
+    scheduler = code2wav_scheduler(world, reqs)
+
+    async def abort_gone() -> None:
+        # The client disconnects at some point: both stages drop the request, Code2Wav possibly
+        # while it is parked waiting for a chunk.
+        await current_kernel().point("orch.abort.begin", req=gone.ext)
+        if gone.stream.outcome == "open":
+            gone.stream.outcome = "aborted"
+            if not gone.sender.is_finished():
+                await gone.talker.adapter.finish_requests([gone.sender])
+            scheduler.request_abort(gone.receiver.request_id)
+        await current_kernel().point("orch.abort.end", req=gone.ext)
+
     jobs = [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
-    await together(*jobs, ("code2wav", lambda: code2wav_stage(world, reqs)))
+    await together(*jobs, ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)), ("orch.abort", abort_gone))
     for req in reqs:
         await release(req)

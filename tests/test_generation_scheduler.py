@@ -43,8 +43,9 @@ async def test_zero_disables_the_deadline_and_abort_frees_the_request() -> None:
     request = Request("r-code2wav", "r")
     scheduler.add_request(request)
     await scheduler.step()
-    out = await scheduler.abort("r-code2wav")
-    assert out is not None and out.error == "aborted"
+    scheduler.request_abort("r-code2wav")
+    (out,) = await scheduler.step()  # applied between two schedules
+    assert out.error == "aborted"
     assert await scheduler.step() == []  # the parked request is purged, never re-injected (#3736)
     assert scheduler.residue() == {}
     # Only the receive queue still lists the stale entry: no receive loop runs in this test, and

@@ -76,6 +76,8 @@ class GenerationScheduler:
     waiting_since: dict[str, float] = field(default_factory=dict)
     #: The queue a parked request returns to.
     origin_status: dict[str, RequestStatus] = field(default_factory=dict)
+    #: Aborts asked for since the last step (applied at the start of the next one).
+    pending_aborts: dict[str, None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_input_wait_timeout(self.input_wait_timeout_s)
@@ -86,22 +88,32 @@ class GenerationScheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.pending_aborts)
 
-    async def abort(self, request_id: str) -> StageOutput | None:
-        """Finish ``request_id`` as aborted (if still tracked) and free it."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        await self.adapter.finish_requests([request])
-        self._free(request, RequestStatus.FINISHED_ABORTED)
-        return StageOutput(request_id, None, finished=True, error="aborted")
+    def request_abort(self, request_id: str) -> None:
+        """Ask for ``request_id`` to be aborted. Returns at once; the abort is applied at the start
+        of the next step, between two schedules, as an engine core applies aborts — so it never
+        lands in the middle of one (where a freed request could be re-queued, #3736)."""
+        self.pending_aborts[request_id] = None
+
+    async def _apply_aborts(self) -> list[StageOutput]:
+        outputs = []
+        for request_id in list(self.pending_aborts):
+            del self.pending_aborts[request_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            await self.adapter.finish_requests([request])
+            self._free(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(StageOutput(request_id, None, finished=True, error="aborted"))
+        return outputs
 
     # -- one step ---------------------------------------------------------------------------------
 
     async def step(self) -> list[StageOutput]:
+        outputs = await self._apply_aborts()
         parked = await self._process_pending_chunks()
-        outputs = await self._expire_stalled()
+        outputs += await self._expire_stalled()
         try:
             scheduled, finishing = self._schedule()
             results = self.run_model(scheduled) if scheduled else []
@@ -117,7 +129,7 @@ class GenerationScheduler:
         for queue, target in ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING)):
             for request in list(queue):
                 rid = request.request_id
-                if rid not in self.requests:  # freed by an abort while queued (#3736)
+                if not self._is_tracked(request):  # freed by an abort while queued (#3736)
                     queue.remove(request)
                     await self.adapter.cleanup_receiver(rid)
                     continue
@@ -196,10 +208,16 @@ class GenerationScheduler:
 
     def _restore_queues(self, parked: list[Request]) -> None:
         for request in parked:
-            if request.request_id not in self.requests:
+            if not self._is_tracked(request):
                 continue  # aborted while parked: never re-inject a freed request (#3736)
             origin = self.origin_status.get(request.request_id, RequestStatus.WAITING)
             (self.running if origin is RequestStatus.RUNNING else self.waiting).append(request)
+
+    def _is_tracked(self, request: Request) -> bool:
+        """Still this scheduler's request. A request freed in the middle of a step (the input-wait
+        deadline) may sit in that step's parked list; it must never be polled or re-queued again
+        (#3736: a worker KeyError on the freed id)."""
+        return self.requests.get(request.request_id) is request
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
@@ -219,5 +237,6 @@ class GenerationScheduler:
             "ready": self.ready,
             "waiting_since": self.waiting_since,
             "origin_status": self.origin_status,
+            "pending_aborts": self.pending_aborts,
         }
         return {name: [str(x) for x in items] for name, items in structures.items() if items}
