@@ -15,7 +15,7 @@ from runtime.models.code2wav import Code2Wav, decode_chunks, frames_to_codes
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
 from runtime.request import RequestStatus
 from runtime.sched.generation import IDLE_WAIT_S, GenerationScheduler, ScheduledChunk
-from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, EdgeRequest, check_failures, release, together
+from scenarios.edge import CODE2WAV, TALKER, EdgeRequest, next_chunk, release, together
 
 #: The Qwen3-Omni deploy's chunking (spec §9).
 OMNI_CHUNKING = CodecChunking(initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25)
@@ -57,13 +57,7 @@ async def listen(req: EdgeRequest) -> None:
     of context in front; only the frames after it are new."""
     adapter = req.code2wav.adapter
     request = req.receiver
-    while req.stream.outcome == "open":
-        await adapter.load_async(request)
-        while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
-            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
-            await check_failures(req.world)
-        if req.stream.outcome != "open":
-            return
+    while await next_chunk(req):
         ids = request.prompt_token_ids
         n = len(ids) // 16
         left = int(((request.additional_information or {}).get("meta") or {}).get("left_context_size", 0)) if n else 0

@@ -108,6 +108,23 @@ async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = T
     return True
 
 
+async def next_chunk(req: EdgeRequest, *, input_deadline_s: float | None = None) -> bool:
+    """Register the Code2Wav request for its next chunk and wait until it is committed (True) or
+    the request ended otherwise (False), failing it after ``input_deadline_s`` without input."""
+    k = current_kernel()
+    adapter = req.code2wav.adapter
+    if req.stream.outcome != "open":
+        return False
+    await adapter.load_async(req.receiver)
+    waiting_since = k.now()
+    while req.stream.outcome == "open" and not adapter.pop_ready(req.receiver.request_id):
+        await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+        await check_failures(req.world)
+        if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
+            await fail(req, f"no chunk for {input_deadline_s}s")
+    return req.stream.outcome == "open"
+
+
 async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) -> None:
     """The Code2Wav side of one request: register, wait for each chunk, record it, until the
     terminal arrives or the request ends otherwise; then free the request.
@@ -115,19 +132,9 @@ async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) ->
     With ``input_deadline_s``, a stall that long (reset by every arrival) fails the request, as
     the scheduler's input-wait deadline does (#4855 R1.1).
     """
-    k = current_kernel()
     adapter = req.code2wav.adapter
     request = req.receiver
-    while req.stream.outcome == "open":
-        await adapter.load_async(request)
-        waiting_since = k.now()
-        while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
-            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
-            await check_failures(req.world)
-            if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
-                await fail(req, f"no chunk for {input_deadline_s}s")
-        if req.stream.outcome != "open":
-            return
+    while await next_chunk(req, input_deadline_s=input_deadline_s):
         codes = (request.additional_information or {}).get("codes", {})
         audio = codes.pop("audio", None)
         frames = int(audio.shape[1]) if isinstance(audio, torch.Tensor) and audio.ndim >= 2 else 0
