@@ -17,7 +17,6 @@ ends when every task has finished, or is stopped with a reason:
 
 from __future__ import annotations
 
-import json
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -323,10 +322,6 @@ class SimKernel:
             self._root_scope.cancel()
         return None
 
-    def stop(self, reason: str, detail: str) -> None:
-        """Stop the run from a harness task (e.g. a failed assertion of the scenario)."""
-        self._stop(reason, detail)
-
     def _emit(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
         event = TraceEvent(len(self.trace), self.clock_us, task.name, name, attrs)
         self.trace.append(event)
@@ -389,7 +384,3 @@ class SimKernel:
     async def wait_readable(self, fd: int, timeout: float) -> bool:
         await self.sleep(timeout)
         return False
-
-
-def canonical_json(obj: object) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
