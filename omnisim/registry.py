@@ -33,6 +33,7 @@ DEFAULT_INVARIANTS = (
     "no-stale-commit",
     "terminal-delivered",
     "samples-exactly-once",
+    "aligner-complete",
     "abort-non-blocking",
     "liveness",
     "no-crash",

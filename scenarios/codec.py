@@ -9,12 +9,21 @@ import torch
 
 from omnisim.registry import scenario
 from omnisim.world import World
+from runtime import serving
 from runtime.config.deploy import CodecChunking
 from runtime.kernel import current_kernel
-from runtime.models.code2wav import Code2Wav, decode_chunks, frames_to_codes
+from runtime.models.aligner import ForcedAligner
+from runtime.models.code2wav import SAMPLE_RATE, Code2Wav, decode_chunks, frames_to_codes
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
 from runtime.request import RequestStatus
 from runtime.sched.generation import IDLE_WAIT_S, GenerationScheduler, ScheduledChunk
+from runtime.serving import (
+    EmittedSamplesTrim,
+    RequestRejected,
+    SamplingParams,
+    StageAudio,
+    check_http_speech_request,
+)
 from scenarios.edge import CODE2WAV, TALKER, EdgeRequest, next_chunk, release, together
 
 #: The Qwen3-Omni deploy's chunking (spec §9).
@@ -119,9 +128,16 @@ def code2wav_scheduler(world: World, reqs: list[EdgeRequest]) -> GenerationSched
     return scheduler
 
 
-async def code2wav_stage(world: World, scheduler: GenerationScheduler, reqs: list[EdgeRequest]) -> None:
+async def code2wav_stage(
+    world: World,
+    scheduler: GenerationScheduler,
+    reqs: list[EdgeRequest],
+    clients: dict[str, SpeechClient] | None = None,
+) -> None:
     """Code2Wav as the pipeline runs it: its generation scheduler decodes each chunk as it is
-    committed and streams the audio to the client, until every request ended."""
+    committed and streams the audio to the client (through the serving layer, if ``clients``
+    are given), until every request ended; then each client's audio is checked against the
+    offline decode of its frames."""
     adapter = world.stages[CODE2WAV].adapter
     model = code2wav_model()
     by_id = {req.receiver.request_id: req for req in reqs}
@@ -133,7 +149,10 @@ async def code2wav_stage(world: World, scheduler: GenerationScheduler, reqs: lis
         for out in outputs:
             req = by_id[out.request_id]
             if out.data is not None:
-                audio[out.request_id].append(out.data.reshape(-1))
+                if clients is not None:
+                    clients[out.request_id].on_chunk(out.data)
+                else:
+                    audio[out.request_id].append(out.data.reshape(-1))
             req.stream.chunks.append((0, out.finished))
             if out.finished and req.stream.outcome == "open":
                 req.stream.outcome = "finished" if out.error is None else "failed"
@@ -142,7 +161,8 @@ async def code2wav_stage(world: World, scheduler: GenerationScheduler, reqs: lis
     for rid, req in by_id.items():
         if req.stream.outcome != "finished":
             continue
-        streamed = torch.cat(audio[rid]) if audio[rid] else torch.empty(0)
+        got = clients[rid].received if clients is not None else audio[rid]
+        streamed = torch.cat([a.reshape(-1) for a in got]) if got else torch.empty(0)
         frames = torch.tensor(req.stream.sent_frames, dtype=torch.int64)  # [N, 16]
         offline = model(frames_to_codes(frames)).reshape(-1)
         world.probe(
@@ -185,5 +205,70 @@ async def code2wav_stream(world: World) -> None:
 
     jobs = [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
     await together(*jobs, ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)), ("orch.abort", abort_gone))
+    for req in reqs:
+        await release(req)
+
+
+class SpeechClient:
+    """One streaming speech request at the serving layer: what the client and the aligner get."""
+
+    def __init__(self, req: EdgeRequest, params: list[SamplingParams], word_timestamps: bool) -> None:
+        self.req = req
+        self.word_timestamps = word_timestamps
+        self.stage_audio = StageAudio(params[-1].output_kind)
+        self.trim = EmittedSamplesTrim() if word_timestamps else None
+        self.received: list[torch.Tensor] = []
+        self.final_output: torch.Tensor | None = None
+
+    def on_chunk(self, delta: torch.Tensor) -> None:
+        output = self.stage_audio.update(delta)
+        self.final_output = output
+        sent = self.trim(output) if self.trim is not None else output
+        if sent is not None:
+            self.received.append(sent)
+
+
+@scenario(
+    "streaming_word_timestamps",
+    summary="a streaming request with word timestamps (CUMULATIVE outputs, emitted_samples trim, the aligner gets "
+    "the whole waveform) next to a plain streaming one (DELTA): each client gets every sample once",
+    issue="#7544",
+    build=codec_world,
+    horizon_s=60.0,
+)
+async def streaming_word_timestamps(world: World) -> None:
+    defaults = [SamplingParams() for _ in range(3)]
+    check_http_speech_request(stream=False, word_timestamps=True, has_aligner=True)
+    try:
+        check_http_speech_request(stream=True, word_timestamps=True, has_aligner=True)
+        world.probe("aligner-complete", False, "HTTP streaming with word timestamps was accepted")
+    except RequestRejected:
+        pass
+    lengths = {"timed": 33, "plain": 29}
+    reqs = [EdgeRequest(world, name) for name in lengths]
+    for req in reqs:
+        req.stream.complete_required = False  # frames and samples are checked by content instead
+    clients = {}
+    for req in reqs:  # submitted in order: the first one's settings must not leak into the second
+        timed = req.name == "timed"
+        clients[req.receiver.request_id] = SpeechClient(
+            req, serving.request_params(defaults, stream=True, word_timestamps=timed), timed
+        )
+    scheduler = code2wav_scheduler(world, reqs)
+    jobs = [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
+    await together(*jobs, ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)))
+    aligner = ForcedAligner()
+    for client in clients.values():
+        if client.req.stream.outcome != "finished" or not client.word_timestamps:
+            continue
+        audio_ms = torch.cat(client.received).numel() / SAMPLE_RATE * 1000
+        aligner_input = client.final_output if client.final_output is not None else torch.empty(0)
+        stamps = aligner.align(aligner_input, ["hello", "streamed", "world"], SAMPLE_RATE)
+        world.probe(
+            "aligner-complete",
+            abs(stamps[-1].end_ms - audio_ms) <= 1,
+            f"{client.req.name}: the timestamps end at {stamps[-1].end_ms:.0f} ms but the audio lasts "
+            f"{audio_ms:.0f} ms: the aligner did not see the whole waveform",
+        )
     for req in reqs:
         await release(req)

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 import torch
 
 from omnisim.registry import Patch, mutant
+from runtime import serving
 from runtime.models import code2wav
 from runtime.processors import talker2code2wav
+from runtime.serving import EmittedSamplesTrim, OutputKind, SamplingParams
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 
 
@@ -46,3 +48,42 @@ def stream_slice_ignores_tail() -> Iterator[Patch]:
         return left_frames * code2wav.TOTAL_UPSAMPLE, n_frames * code2wav.TOTAL_UPSAMPLE
 
     yield Patch(code2wav, "stream_slice", stream_slice)
+
+
+@mutant(
+    "no_cumulative_for_timestamps",
+    summary="streaming word-timestamp requests stay DELTA: the aligner gets only the last delta",
+    issue="#7544",
+    scenarios=("streaming_word_timestamps",),
+)
+def no_cumulative_for_timestamps() -> Iterator[Patch]:
+    def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
+        return defaults
+
+    yield Patch(serving, "request_params", request_params)
+
+
+@mutant(
+    "cumulative_without_clone",
+    summary="CUMULATIVE is set on the shared default parameters: later plain requests turn CUMULATIVE, untrimmed",
+    issue="#7544",
+    scenarios=("streaming_word_timestamps",),
+)
+def cumulative_without_clone() -> Iterator[Patch]:
+    def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
+        if stream and word_timestamps:
+            for p in defaults:
+                p.output_kind = OutputKind.CUMULATIVE
+        return defaults
+
+    yield Patch(serving, "request_params", request_params)
+
+
+@mutant(
+    "no_emitted_samples_trim",
+    summary="the client gets every cumulative update whole: samples arrive again and again (800 + 2000 + 2400)",
+    issue="#7544",
+    scenarios=("streaming_word_timestamps",),
+)
+def no_emitted_samples_trim() -> Iterator[Patch]:
+    yield Patch(EmittedSamplesTrim, "__call__", lambda self, cumulative: cumulative)

@@ -36,7 +36,7 @@ def test_the_race_table_is_registered() -> None:
 
 
 #: Scenarios whose schedule is long (130 keys; 100 codec frames step by step) run fewer schedules.
-HEAVY = {"unread_head_rotation", "codec_chunk_boundaries", "code2wav_stream"}
+HEAVY = {"unread_head_rotation", "codec_chunk_boundaries", "code2wav_stream", "streaming_word_timestamps"}
 
 
 @pytest.mark.parametrize("store", sorted(CLEAN_BUDGET))

@@ -1,0 +1,81 @@
+"""The serving side of a speech request (spec §7, #7544): output kinds, the CUMULATIVE clone for
+streaming word timestamps, the ``emitted_samples`` trim, and the HTTP rejection.
+
+A streaming request normally gets DELTA outputs: each Code2Wav update carries only its new
+samples. A streaming request that also wants word timestamps needs the aligner to see the
+*whole* waveform at the terminal, so its stage outputs are CUMULATIVE; the client must then get
+only what it has not had yet, which the ``emitted_samples`` trim ensures. The CUMULATIVE setting
+is made on clones of the default sampling parameters, never on the shared defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+HTTP_STREAMING_TIMESTAMPS_GUIDANCE = (
+    "word_timestamps with stream=true is not supported on /v1/audio/speech; use the WebSocket "
+    "/v1/audio/speech/stream with session.config stream_audio=true and response_format='pcm'"
+)
+
+
+class OutputKind(enum.Enum):
+    DELTA = "delta"
+    CUMULATIVE = "cumulative"
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """The per-stage parameters a request runs with (only what the audio path reads)."""
+
+    output_kind: OutputKind = OutputKind.DELTA
+
+
+class RequestRejected(ValueError):
+    """A request the serving layer refuses, with guidance for the client."""
+
+
+def check_http_speech_request(*, stream: bool, word_timestamps: bool, has_aligner: bool) -> None:
+    """The HTTP speech endpoint's rules: timestamps need an aligner, and are not streamed there."""
+    if word_timestamps and not has_aligner:
+        raise RequestRejected("word_timestamps needs a server started with --forced-aligner")
+    if stream and word_timestamps:
+        raise RequestRejected(HTTP_STREAMING_TIMESTAMPS_GUIDANCE)
+
+
+def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
+    """The parameters of one request: DELTA while streaming, CUMULATIVE (on clones) for a
+    streaming request with word timestamps."""
+    if not stream:
+        return defaults
+    kind = OutputKind.CUMULATIVE if word_timestamps else OutputKind.DELTA
+    return [dataclasses.replace(p, output_kind=kind) for p in defaults]
+
+
+class StageAudio:
+    """The final stage's audio output of one request, as its output kind presents it."""
+
+    def __init__(self, kind: OutputKind) -> None:
+        self.kind = kind
+        self._chunks: list[torch.Tensor] = []
+
+    def update(self, delta: torch.Tensor) -> torch.Tensor:
+        """Add a decoded chunk; the output the stage reports for this update."""
+        self._chunks.append(delta.reshape(-1))
+        return torch.cat(self._chunks) if self.kind is OutputKind.CUMULATIVE else self._chunks[-1]
+
+
+class EmittedSamplesTrim:
+    """Hand the client each sample once from a growing (cumulative) waveform. Trimmed before any
+    resampling; an update with nothing new yields None (no WAV header, no first-audio mark)."""
+
+    def __init__(self) -> None:
+        self.emitted_samples = 0
+
+    def __call__(self, cumulative: torch.Tensor) -> torch.Tensor | None:
+        total = cumulative.shape[-1]
+        new = cumulative[..., self.emitted_samples :]
+        self.emitted_samples = total
+        return new if new.numel() else None
