@@ -4,6 +4,7 @@ frames stepped out one at a time, chunked 4 / 25 / 25, and checked frame by fram
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -174,6 +175,20 @@ async def code2wav_stage(
         )
 
 
+def audio_requests(world: World, lengths: dict[str, int]) -> list[EdgeRequest]:
+    """Requests whose audio is checked by content (frames and samples, against the offline
+    decode); the frame-count check belongs to codec_chunk_boundaries."""
+    reqs = [EdgeRequest(world, name) for name in lengths]
+    for req in reqs:
+        req.stream.complete_required = False
+    return reqs
+
+
+def talk_jobs(reqs: list[EdgeRequest], lengths: dict[str, int]) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+    """One Talker job per request, each speaking its number of frames."""
+    return [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
+
+
 @scenario(
     "code2wav_stream",
     summary="the real Code2Wav generation scheduler decodes 4/25/25 chunks as they arrive: each client's streamed "
@@ -184,10 +199,7 @@ async def code2wav_stage(
 )
 async def code2wav_stream(world: World) -> None:
     lengths = {"short": 3, "remainder": 10, "long": 60, "gone": 30}
-    reqs = [EdgeRequest(world, name) for name in lengths]
-    for req in reqs:
-        # Frames are checked for content below; the count check belongs to the codec scenario.
-        req.stream.complete_required = False
+    reqs = audio_requests(world, lengths)
     gone = reqs[-1]
     gone.stream.allowed_outcomes = frozenset({"finished", "aborted"})
     scheduler = code2wav_scheduler(world, reqs)
@@ -203,8 +215,11 @@ async def code2wav_stream(world: World) -> None:
             scheduler.request_abort(gone.receiver.request_id)
         await current_kernel().point("orch.abort.end", req=gone.ext)
 
-    jobs = [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
-    await together(*jobs, ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)), ("orch.abort", abort_gone))
+    await together(
+        *talk_jobs(reqs, lengths),
+        ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)),
+        ("orch.abort", abort_gone),
+    )
     for req in reqs:
         await release(req)
 
@@ -245,9 +260,7 @@ async def streaming_word_timestamps(world: World) -> None:
     except RequestRejected:
         pass
     lengths = {"timed": 33, "plain": 29}
-    reqs = [EdgeRequest(world, name) for name in lengths]
-    for req in reqs:
-        req.stream.complete_required = False  # frames and samples are checked by content instead
+    reqs = audio_requests(world, lengths)
     clients = {}
     for req in reqs:  # submitted in order: the first one's settings must not leak into the second
         timed = req.name == "timed"
@@ -255,8 +268,7 @@ async def streaming_word_timestamps(world: World) -> None:
             req, serving.request_params(defaults, stream=True, word_timestamps=timed), timed
         )
     scheduler = code2wav_scheduler(world, reqs)
-    jobs = [(f"{r.name}.talk", lambda r=r, i=i: talk(r, lengths[r.name], i)) for i, r in enumerate(reqs)]
-    await together(*jobs, ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)))
+    await together(*talk_jobs(reqs, lengths), ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)))
     aligner = ForcedAligner()
     for client in clients.values():
         if client.req.stream.outcome != "finished" or not client.word_timestamps:
