@@ -102,5 +102,3 @@ class ObservedWorld:
     crashes: list[tuple[str, str]] = field(default_factory=list)
     #: Violations a scenario's own probes saw during the run, by invariant id.
     probe_failures: dict[str, list[str]] = field(default_factory=dict)
-    #: Residue a scenario declares legitimate (structure name -> items), e.g. spec §3.6 O1.
-    expected_residue: dict[str, set[str]] = field(default_factory=dict)

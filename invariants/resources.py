@@ -33,9 +33,7 @@ def no_tombstones(world: ObservedWorld) -> list[str]:
     out = []
     for snap in world.snapshots:
         for component, structures in snap.residue.items():
-            for structure, items in structures.items():
-                allowed = world.expected_residue.get(f"{component}.{structure}", set())
-                left = [item for item in items if item not in allowed]
+            for structure, left in structures.items():
                 if left:
                     shown = ", ".join(left[:5]) + (f", … ({len(left)} in all)" if len(left) > 5 else "")
                     out.append(f"{component}.{structure} still holds {shown} at {snap.label}")

@@ -54,7 +54,6 @@ class World:
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
-        self.expected_residue: dict[str, set[str]] = {}
         #: The scenario's request objects, for the orchestrator-side helpers.
         self.requests: list[Any] = []
         self.probe_failures: dict[str, list[str]] = {}
@@ -112,7 +111,6 @@ class World:
             stop_detail=outcome.detail,
             stopped_tasks=outcome.stopped_tasks,
             crashes=outcome.crashes,
-            expected_residue=self.expected_residue,
             probe_failures=self.probe_failures,
         )
 

@@ -28,7 +28,7 @@ from runtime.models.talker import Talker, conditioning_from_thinker
 from runtime.models.thinker import Thinker, ThinkerOutput
 from runtime.processors.talker2code2wav import Talker2Code2WavAsyncChunk
 from runtime.request import Request, RequestStatus
-from runtime.sched.generation import IDLE_WAIT_S, GenerationScheduler, ScheduledChunk
+from runtime.sched.generation import GenerationScheduler, ScheduledChunk, StageOutput
 from runtime.transfer.adapter import ChunkTransferAdapter
 
 T = TypeVar("T")
@@ -151,14 +151,13 @@ class OnePipeline:
 
         scheduler = GenerationScheduler(self.code2wav_adapter, run_model)
         scheduler.add_request(Request(f"{request_id}-code2wav", request_id))
-        while scheduler.has_unfinished():
-            outputs = await scheduler.step()
-            for out in outputs:
-                if out.error is not None:
-                    raise RuntimeError(f"Code2Wav failed: {out.error}")
-                if out.data is not None and out.data.numel():
-                    if not first_audio:
-                        first_audio.append(k.now() - start)
-                    audio.append(out.data.reshape(-1).cpu())
-            if not outputs:
-                await self.code2wav_adapter.chunk_ready.wait(IDLE_WAIT_S)
+
+        def deliver(out: StageOutput) -> None:
+            if out.error is not None:
+                raise RuntimeError(f"Code2Wav failed: {out.error}")
+            if out.data is not None and out.data.numel():
+                if not first_audio:
+                    first_audio.append(k.now() - start)
+                audio.append(out.data.reshape(-1).cpu())
+
+        await scheduler.serve(deliver)

@@ -17,7 +17,7 @@ from runtime.models.aligner import ForcedAligner
 from runtime.models.code2wav import SAMPLE_RATE, Code2Wav, decode_chunks, frames_to_codes
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
 from runtime.request import RequestStatus
-from runtime.sched.generation import IDLE_WAIT_S, GenerationScheduler, ScheduledChunk
+from runtime.sched.generation import GenerationScheduler, ScheduledChunk, StageOutput
 from runtime.serving import (
     EmittedSamplesTrim,
     RequestRejected,
@@ -139,26 +139,24 @@ async def code2wav_stage(
     committed and streams the audio to the client (through the serving layer, if ``clients``
     are given), until every request ended; then each client's audio is checked against the
     offline decode of its frames."""
-    adapter = world.stages[CODE2WAV].adapter
     model = code2wav_model()
     by_id = {req.receiver.request_id: req for req in reqs}
     audio: dict[str, list[torch.Tensor]] = {rid: [] for rid in by_id}
     for req in reqs:
         scheduler.add_request(req.receiver)
-    while scheduler.has_unfinished():
-        outputs = await scheduler.step()
-        for out in outputs:
-            req = by_id[out.request_id]
-            if out.data is not None:
-                if clients is not None:
-                    clients[out.request_id].on_chunk(out.data)
-                else:
-                    audio[out.request_id].append(out.data.reshape(-1))
-            req.stream.chunks.append((0, out.finished))
-            if out.finished and req.stream.outcome == "open":
-                req.stream.outcome = "finished" if out.error is None else "failed"
-        if not outputs:
-            await adapter.chunk_ready.wait(IDLE_WAIT_S)
+
+    def deliver(out: StageOutput) -> None:
+        req = by_id[out.request_id]
+        if out.data is not None:
+            if clients is not None:
+                clients[out.request_id].on_chunk(out.data)
+            else:
+                audio[out.request_id].append(out.data.reshape(-1))
+        req.stream.chunks.append((0, out.finished))
+        if out.finished and req.stream.outcome == "open":
+            req.stream.outcome = "finished" if out.error is None else "failed"
+
+    await scheduler.serve(deliver)
     for rid, req in by_id.items():
         if req.stream.outcome != "finished":
             continue

@@ -108,6 +108,16 @@ class GenerationScheduler:
             outputs.append(StageOutput(request_id, None, finished=True, error="aborted"))
         return outputs
 
+    async def serve(self, on_output: Callable[[StageOutput], None]) -> None:
+        """Step until no request is left, handing every output to ``on_output``; between steps
+        that produced nothing, wait for the next committed chunk instead of spinning."""
+        while self.has_unfinished():
+            outputs = await self.step()
+            for out in outputs:
+                on_output(out)
+            if not outputs:
+                await self.adapter.chunk_ready.wait(IDLE_WAIT_S)
+
     # -- one step ---------------------------------------------------------------------------------
 
     async def step(self) -> list[StageOutput]:

@@ -198,9 +198,8 @@ class ChunkTransferAdapter:
         #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
         self.chunk_ready = k.signal(f"{name}.chunk_ready")
 
-        # Failure side channels: request id -> first reason, drained by the scheduler.
+        # The send-failure side channel: request id -> first reason, drained by the scheduler.
         self._send_failures: dict[str, str] = {}
-        self._receive_failures: dict[str, str] = {}
 
     def _next_serial(self) -> int:
         self._serials += 1
@@ -301,7 +300,10 @@ class ChunkTransferAdapter:
         return token is not None and token.cancelled
 
     def is_draining(self, ext: str) -> bool:
-        """True while a cancelled generation of ``ext`` still owns it: new work for ``ext`` is refused."""
+        """True while a cancelled generation of ``ext`` still owns it: new work for ``ext`` is refused.
+
+        Read from the token itself rather than through the refusal rule above, so that an
+        orchestrator (or a scenario probe) sees the state even where that rule is mutated."""
         token = self._sender_tokens.get(ext)
         return token is not None and token.cancelled
 
@@ -686,22 +688,14 @@ class ChunkTransferAdapter:
             await self._released.wait(SAVE_IDLE_WAIT_S)
         return task.removed
 
-    # == failure side channels ===================================================================
+    # == the send-failure side channel===============================================================
 
     def record_send_failure(self, request_id: str, reason: str) -> None:
         self._send_failures.setdefault(request_id, reason)
 
-    def record_receive_failure(self, request_id: str, reason: str) -> None:
-        self._receive_failures.setdefault(request_id, reason)
-
     def collect_failed_send_request_ids(self) -> dict[str, str]:
         failed = dict(self._send_failures)
         self._send_failures.clear()
-        return failed
-
-    def collect_failed_receive_request_ids(self) -> dict[str, str]:
-        failed = dict(self._receive_failures)
-        self._receive_failures.clear()
         return failed
 
     # == background loops ========================================================================
