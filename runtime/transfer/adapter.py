@@ -688,7 +688,7 @@ class ChunkTransferAdapter:
             await self._released.wait(SAVE_IDLE_WAIT_S)
         return task.removed
 
-    # == the send-failure side channel===============================================================
+    # == the send-failure side channel ========================================================
 
     def record_send_failure(self, request_id: str, reason: str) -> None:
         self._send_failures.setdefault(request_id, reason)
