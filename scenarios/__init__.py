@@ -3,6 +3,8 @@
 from scenarios import (  # noqa: F401
     codec,
     config_contract,
+    input_wait,
+    mutants_4855,
     mutants_6670,
     mutants_8082,
     mutants_codec,

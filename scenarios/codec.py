@@ -17,7 +17,7 @@ from runtime.models.aligner import ForcedAligner
 from runtime.models.code2wav import SAMPLE_RATE, Code2Wav, decode_chunks, frames_to_codes
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk
 from runtime.request import RequestStatus
-from runtime.sched.generation import GenerationScheduler, ScheduledChunk, StageOutput
+from runtime.sched.generation import INPUT_WAIT_TIMEOUT_S, GenerationScheduler, ScheduledChunk, StageOutput
 from runtime.serving import (
     EmittedSamplesTrim,
     RequestRejected,
@@ -44,16 +44,23 @@ def codec_frame(request_index: int, i: int) -> torch.Tensor:
     return (torch.arange(16) + 16 * i + 1 + 997 * request_index).reshape(1, 16) % 2048
 
 
-async def talk(req: EdgeRequest, n_frames: int, request_index: int) -> None:
+async def talk(
+    req: EdgeRequest, n_frames: int, request_index: int, *, frame_interval_s: float = 0.0, finish: bool = True
+) -> None:
     """The Talker's steps: all-zero prefill placeholders, ``n_frames`` frames, then the stop frame
-    on the finishing step (so the finish call itself brings no new frame)."""
+    on the finishing step (so the finish call itself brings no new frame). A step takes
+    ``frame_interval_s``; without ``finish`` the Talker dies after its frames (no terminal)."""
+    k = current_kernel()
     steps = [torch.zeros(1, 16, dtype=torch.int64)] * PREFILL_STEPS
     steps += [codec_frame(request_index, i) for i in range(n_frames)]
-    steps.append(torch.full((1, 16), STOP_TOKEN, dtype=torch.int64))
+    if finish:
+        steps.append(torch.full((1, 16), STOP_TOKEN, dtype=torch.int64))
     for i, step in enumerate(steps):
+        if frame_interval_s:
+            await k.sleep(frame_interval_s)
         if req.stream.outcome != "open":
             return
-        if i == len(steps) - 1:
+        if finish and i == len(steps) - 1:
             req.sender.status = RequestStatus.FINISHED_STOPPED
         req.sender.num_computed_tokens += 1
         if PREFILL_STEPS <= i < PREFILL_STEPS + n_frames:
@@ -110,7 +117,13 @@ def code2wav_model() -> Code2Wav:
     return Code2Wav()
 
 
-def code2wav_scheduler(world: World, reqs: list[EdgeRequest]) -> GenerationScheduler:
+def code2wav_scheduler(
+    world: World,
+    reqs: list[EdgeRequest],
+    *,
+    input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+    name: str = "code2wav.scheduler",
+) -> GenerationScheduler:
     """Code2Wav's generation scheduler, decoding with the real model; it records, per chunk, the
     frames it was asked to emit (for the frame-level invariant)."""
     model = code2wav_model()
@@ -124,8 +137,8 @@ def code2wav_scheduler(world: World, reqs: list[EdgeRequest]) -> GenerationSched
             stream.received_frames.extend(tuple(codes[:, j].tolist()) for j in range(chunk.left_context_size, n))
         return decode_chunks(model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
 
-    scheduler = GenerationScheduler(world.stages[CODE2WAV].adapter, run_model)
-    world.components["code2wav.scheduler"] = scheduler
+    scheduler = GenerationScheduler(world.stages[CODE2WAV].adapter, run_model, input_wait_timeout_s)
+    world.components[name] = scheduler
     return scheduler
 
 

@@ -134,7 +134,6 @@ class GenerationScheduler:
 
     async def _process_pending_chunks(self) -> list[Request]:
         """Register requests for their next chunk and mark arrivals ready; returns the parked."""
-        k = current_kernel()
         parked: list[Request] = []
         for queue, target in ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING)):
             for request in list(queue):
@@ -148,24 +147,36 @@ class GenerationScheduler:
                         continue
                     await self.adapter.load_async(request)
                     request.status = RequestStatus.WAITING_FOR_CHUNK
-                    self.waiting_since.setdefault(rid, k.now())
+                    self._start_waiting(rid)
                     self.origin_status[rid] = target
                 elif self.adapter.pop_ready(rid):
                     request.status = self.origin_status.pop(rid, target)
                     self.ready[rid] = None
-                    self.waiting_since.pop(rid, None)
+                    self._input_arrived(rid)
                     continue
                 queue.remove(request)
                 parked.append(request)
         return parked
 
-    async def _expire_stalled(self) -> list[StageOutput]:
+    # The input-wait deadline measures *stall* time: the clock starts when a request parks for a
+    # chunk and restarts with every arrival, so a long healthy stream never times out (#4855 R1.1).
+
+    def _start_waiting(self, request_id: str) -> None:
+        self.waiting_since.setdefault(request_id, current_kernel().now())
+
+    def _input_arrived(self, request_id: str) -> None:
+        self.waiting_since.pop(request_id, None)
+
+    def _timed_out_request_ids(self) -> list[str]:
+        """Requests stalled longer than the deadline (upstream ``collect_timed_out_request_ids``)."""
         if self.input_wait_timeout_s <= 0:
-            return []
+            return []  # 0 disables the deadline (validated at start-up, R1.4)
         now = current_kernel().now()
-        expired = [rid for rid, since in self.waiting_since.items() if now - since > self.input_wait_timeout_s]
+        return [rid for rid, since in self.waiting_since.items() if now - since > self.input_wait_timeout_s]
+
+    async def _expire_stalled(self) -> list[StageOutput]:
         outputs = []
-        for rid in expired:
+        for rid in self._timed_out_request_ids():
             request = self.requests[rid]
             await self.adapter.finish_requests([request])
             self._free(request, RequestStatus.FINISHED_ERROR)

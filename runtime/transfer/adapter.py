@@ -421,8 +421,7 @@ class ChunkTransferAdapter:
             if truthy_scalar(meta["finished"]) and task.is_finished:
                 await self.cleanup(task.request.request_id, ext)
         else:
-            log.warning("Chunk send failed for %s (%s)", task.request.request_id, key)
-            self.record_send_failure(task.request.request_id, "connector.put reported failure")
+            self._put_failed(task, key)
         if task.is_segment_finished:
             for name in ("code_prompt_token_ids", "ramp_chunk_count"):
                 getattr(self, name).pop(ext, None)
@@ -690,6 +689,17 @@ class ChunkTransferAdapter:
 
     # == the send-failure side channel ========================================================
 
+    # A give-up is recorded under the scheduler's own (internal) request id, the one it can act
+    # on; before #4855 R1.2 it was invisible, and the log said "None".
+
+    def _put_failed(self, task: SaveTask, key: str) -> None:
+        log.warning("Chunk send failed for %s (%s)", task.request.request_id, key)
+        self.record_send_failure(task.request.request_id, f"connector.put of {key} reported failure")
+
+    def _send_raised(self, task: SaveTask, error: Exception) -> None:
+        log.warning("Send of %s gave up: %s: %s", task.request.request_id, type(error).__name__, error)
+        self.record_send_failure(task.request.request_id, f"{type(error).__name__}: {error}")
+
     def record_send_failure(self, request_id: str, reason: str) -> None:
         self._send_failures.setdefault(request_id, reason)
 
@@ -723,9 +733,10 @@ class ChunkTransferAdapter:
             try:
                 await self._send_single_request(task)
             except Exception as e:
-                log.warning("Send gave up: %s: %s", type(e).__name__, e)
                 if isinstance(task, SaveTask):
-                    self.record_send_failure(task.request.request_id, f"{type(e).__name__}: {e}")
+                    self._send_raised(task, e)
+                else:
+                    log.warning("Reclaim gave up: %s: %s", type(e).__name__, e)
 
     def _reap_after_pass(self) -> None:
         """The idle reap (#8082 g): consumed keys are forgotten even when nothing more is sent."""
