@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import uuid
 import wave
 from typing import Any
@@ -13,7 +14,7 @@ import trio
 from omnisim.world import UsageError, make_store
 from runtime.config.pipeline import load_pipeline
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.pipeline import FULL_PAYLOAD, Models, OnePipeline
+from runtime.pipeline import Models, build_engine, run_request
 
 
 def write_wav(path: str, audio: torch.Tensor) -> None:
@@ -32,15 +33,26 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
     config = load_pipeline("qwen3_omni")
-    chunking = config.chunking if args.async_chunk == "on" else FULL_PAYLOAD
+    if args.async_chunk == "off":
+        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     store = make_store(args.store)
-    models = Models.build(args.device)
-    pipeline = OnePipeline(models, store, chunking)
+    engine = build_engine(config, Models.build(args.device), store)
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     try:
-        result = trio.run(lambda: pipeline.generate(args.text, request_id, word_timestamps=args.word_timestamps))
+        result = trio.run(
+            lambda: run_request(
+                engine,
+                store,
+                args.text,
+                modalities=tuple(sorted(modalities)),
+                word_timestamps=args.word_timestamps,
+                request_id=request_id,
+            )
+        )
     finally:
         leftovers = store.sweep()
+    if result.error is not None:
+        raise RuntimeError(f"request {request_id} failed: {result.error}")
     if "text" in modalities:
         print(result.text)
     payload: dict[str, Any] = {

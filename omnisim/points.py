@@ -46,6 +46,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "adapter.poll.discarded": ("note", "a chunk consumed by a stale registration was dropped [req, key]"),
     "adapter.cleanup_receiver.begin": ("point", "cleanup_receiver starts [req]"),
     "adapter.cleanup_receiver.end": ("point", "cleanup_receiver returns [req]"),
+    "orch.submit": ("point", "a client submits a request (before waiting out a reused id's sweep) [req]"),
     "orch.abort.begin": ("point", "the orchestrator starts aborting a request on every stage [req]"),
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),

@@ -34,6 +34,27 @@ class _Signal:
         return event.is_set()
 
 
+class _Lock:
+    """trio's lock without the scheduling round of an uncontended acquire.
+
+    ``trio.Lock.acquire`` always yields to the scheduler. The runtime's critical sections are
+    short and every stage loop yields once per step anyway, so an uncontended acquire only
+    costs a full trio round per section — most of the transport overhead of a streamed request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class _TaskGroup:
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -57,8 +78,8 @@ class RealKernel:
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
-    def lock(self, name: str) -> trio.Lock:
-        return trio.Lock()
+    def lock(self, name: str) -> _Lock:
+        return _Lock()
 
     def signal(self, name: str) -> _Signal:
         return _Signal()

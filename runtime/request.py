@@ -28,6 +28,7 @@ class Request:
     request_id: str
     external_req_id: str
     prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
     additional_information: dict[str, Any] | None = None
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
@@ -36,6 +37,10 @@ class Request:
     resumable: bool = False
     #: upstream's ``_omni_segment_generation``: None when the producer does not maintain it.
     segment_generation: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     def is_finished(self) -> bool:
         return self.status.finished

@@ -64,7 +64,11 @@ class StageAudio:
     def update(self, delta: torch.Tensor) -> torch.Tensor:
         """Add a decoded chunk; the output the stage reports for this update."""
         self._chunks.append(delta.reshape(-1))
-        return torch.cat(self._chunks) if self.kind is OutputKind.CUMULATIVE else self._chunks[-1]
+        return self.total() if self.kind is OutputKind.CUMULATIVE else self._chunks[-1]
+
+    def total(self) -> torch.Tensor:
+        """Every sample so far (what the aligner gets at the end)."""
+        return torch.cat(self._chunks) if self._chunks else torch.empty(0)
 
 
 class EmittedSamplesTrim:

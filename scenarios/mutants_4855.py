@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from omnisim.registry import Patch, mutant
 from runtime.kernel import current_kernel
 from runtime.request import Request
-from runtime.sched.generation import GenerationScheduler as Scheduler
+from runtime.sched.base import StageScheduler as Scheduler
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 from runtime.transfer.adapter import SaveTask
 

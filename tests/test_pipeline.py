@@ -1,9 +1,12 @@
-"""One request through the real pipeline on the real kernel: the streamed audio is the offline
-decode of the Talker's frames, the aligner covers it, nothing is left behind."""
+"""The whole pipeline on the real kernel: Thinker → Talker → Code2Wav through the orchestrator and
+the client API. The streamed audio is the offline decode of the Talker's frames, the aligner
+covers it, aborts and errors end the client's stream with one terminal, nothing is left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import wave
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -11,14 +14,75 @@ import torch
 import trio
 
 from omnisim.cli import main
-from runtime.config.pipeline import load_pipeline
+from runtime.client import ClientOutput, generate
+from runtime.config.pipeline import PipelineConfig, load_pipeline
+from runtime.config.topology import OutputType
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.models.code2wav import SAMPLE_RATE, TAIL, TOTAL_UPSAMPLE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
-from runtime.pipeline import FULL_PAYLOAD, Models, OnePipeline
+from runtime.models.thinker import ToyTokenizer
+from runtime.orchestrator import Orchestrator
+from runtime.pipeline import Models, build_engine, run_request
 
 MODELS = Models.build()
+OMNI = load_pipeline("qwen3_omni")
+
+
+def config(async_chunk: bool) -> PipelineConfig:
+    return dataclasses.replace(OMNI, deploy=dataclasses.replace(OMNI.deploy, async_chunk=async_chunk))
+
+
+def offline_audio(text: str) -> torch.Tensor:
+    """What the pipeline must produce for ``text``: every stage run whole, one after the other."""
+    frames = [
+        f
+        for f in MODELS.talker.generate(conditioning_from_thinker(MODELS.thinker.generate(text)))
+        if not is_placeholder_frame(f) and not is_stop_frame(f)
+    ]
+    if not frames:
+        return torch.empty(0)
+    return MODELS.code2wav(frames_to_codes(torch.stack(frames))).reshape(-1)
+
+
+def with_engine(
+    body: Callable[[Orchestrator], Awaitable[None]],
+    *,
+    async_chunk: bool = True,
+    store: Store | None = None,
+    **kw: float,
+) -> dict[str, list[str]]:
+    """Run ``body`` against a running engine; the residue once every request was released."""
+    store = store if store is not None else MemoryStore()
+    engine = build_engine(config(async_chunk), MODELS, store, **kw)
+
+    async def main() -> dict[str, list[str]]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            await body(engine)
+            while engine.requests:
+                await trio.sleep(0.001)
+            residue = {**engine.residue(), "segments": store.segments(), "lock_files": store.lock_files()}
+            engine.shutdown()
+        return {name: items for name, items in residue.items() if items}
+
+    try:
+        return trio.run(main)
+    finally:
+        store.sweep()
+
+
+async def collect(engine: Orchestrator, text: str, **kw: object) -> list[ClientOutput]:
+    return [out async for out in generate(engine, text, **kw)]  # type: ignore[arg-type]
+
+
+def audio_of(outputs: list[ClientOutput]) -> torch.Tensor:
+    pieces = [o.data.reshape(-1) for o in outputs if o.kind is OutputType.AUDIO and o.data is not None]
+    return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def text_of(outputs: list[ClientOutput]) -> str:
+    return "".join(o.data for o in outputs if o.kind is OutputType.TEXT and o.data is not None)
 
 
 @pytest.mark.parametrize("store_kind", ["memory", "posix"])
@@ -26,22 +90,139 @@ MODELS = Models.build()
 def test_streamed_audio_equals_the_offline_decode(store_kind: str, async_chunk: bool) -> None:
     text = "hello world, this is a streamed answer"
     store: Store = MemoryStore() if store_kind == "memory" else PosixStore()
-    chunking = load_pipeline("qwen3_omni").chunking if async_chunk else FULL_PAYLOAD
+    engine = build_engine(config(async_chunk), MODELS, store)
     try:
-        result = trio.run(lambda: OnePipeline(MODELS, store, chunking).generate(text, "R", word_timestamps=True))
+        result = trio.run(lambda: run_request(engine, store, text, word_timestamps=True))
     finally:
         store.sweep()
-    frames = [
-        f
-        for f in MODELS.talker.generate(conditioning_from_thinker(MODELS.thinker.generate(text)))
-        if not is_placeholder_frame(f) and not is_stop_frame(f)
-    ]
-    offline = MODELS.code2wav(frames_to_codes(torch.stack(frames))).reshape(-1)
-    assert result.audio.numel() == len(frames) * TOTAL_UPSAMPLE - TAIL == offline.numel()
+    offline = offline_audio(text)
+    assert result.error is None
+    assert result.text == ToyTokenizer.normalize(text)
+    assert result.audio.numel() == (offline.numel() // TOTAL_UPSAMPLE + 1) * TOTAL_UPSAMPLE - TAIL == offline.numel()
     assert torch.allclose(result.audio, offline, atol=1e-5)
     assert result.residue == {}
     assert result.timestamps[0].start_ms == 0
     assert result.timestamps[-1].end_ms == pytest.approx(result.audio.numel() / SAMPLE_RATE * 1000, abs=1)
+    if async_chunk:
+        assert result.time_to_first_audio_s is not None and result.time_to_first_audio_s < result.total_s
+
+
+@pytest.mark.parametrize("text", ["hi", "a b c", "one two"])
+def test_a_request_that_ends_inside_the_initial_chunk(text: str) -> None:
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        outputs.extend(await collect(engine, text))
+
+    assert with_engine(body) == {}
+    assert torch.allclose(audio_of(outputs), offline_audio(text), atol=1e-5)
+    assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished and outputs[-1].error is None
+
+
+def test_concurrent_requests_each_get_their_own_answer() -> None:
+    texts = {"a": "the first request is fairly long, several words", "b": "short one", "c": "third of three"}
+    got: dict[str, list[ClientOutput]] = {}
+
+    async def body(engine: Orchestrator) -> None:
+        async def one(rid: str) -> None:
+            got[rid] = await collect(engine, texts[rid], request_id=rid)
+
+        async with trio.open_nursery() as nursery:
+            for rid in texts:
+                nursery.start_soon(one, rid)
+
+    assert with_engine(body) == {}
+    for rid, text in texts.items():
+        assert text_of(got[rid]) == ToyTokenizer.normalize(text)
+        assert torch.allclose(audio_of(got[rid]), offline_audio(text), atol=1e-5)
+
+
+def test_text_only_request_runs_the_thinker_alone() -> None:
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        outputs.extend(await collect(engine, "just text please", modalities=("text",)))
+
+    assert with_engine(body) == {}
+    assert text_of(outputs) == "just text please"
+    assert not audio_of(outputs).numel()
+    assert outputs[-1].finished and outputs[-1].kind is OutputType.TEXT
+
+
+def test_non_streaming_generate_yields_one_output_per_kind() -> None:
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        outputs.extend(await collect(engine, "hello there world", stream=False, word_timestamps=True))
+
+    assert with_engine(body) == {}
+    kinds = [o.kind for o in outputs[:-1]]
+    assert sorted(kinds) == sorted([OutputType.TEXT, OutputType.AUDIO, OutputType.TIMESTAMPS])
+    assert torch.allclose(audio_of(outputs), offline_audio("hello there world"), atol=1e-5)
+
+
+def test_abort_before_any_output_still_ends_with_a_terminal_of_the_final_stage() -> None:
+    """#7006: an audio client aborted before any engine output gets an audio abort terminal."""
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        async def consume() -> None:
+            async for out in generate(engine, "a long answer " * 20, ("audio",), request_id="gone"):
+                outputs.append(out)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            while "gone" not in engine.requests:  # submitted, and no stage has stepped yet
+                await trio.sleep(0)
+            await engine.abort("gone")
+
+    assert with_engine(body) == {}
+    assert len(outputs) == 1
+    assert outputs[0].finished and outputs[0].error == "aborted" and outputs[0].kind is OutputType.AUDIO
+
+
+def test_a_reused_request_id_waits_for_the_old_sweep() -> None:
+    outputs: dict[int, list[ClientOutput]] = {}
+
+    async def body(engine: Orchestrator) -> None:
+        async def first() -> None:
+            outputs[0] = await collect(engine, "first generation of this id " * 3, request_id="same")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            while "same" not in engine.requests:
+                await trio.sleep(0)
+            await engine.abort("same")
+        outputs[1] = await collect(engine, "second generation", request_id="same")
+
+    assert with_engine(body) == {}
+    assert outputs[0][-1].error == "aborted"
+    assert torch.allclose(audio_of(outputs[1]), offline_audio("second generation"), atol=1e-5)
+
+
+def test_a_stalled_stage_fails_the_request_with_the_input_wait_error() -> None:
+    """The Thinker never sends its chunks (its sender is mutated away here by hand): the Talker's
+    input-wait deadline fails the request, and the client gets an error terminal, not a hang."""
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        thinker = engine.stages[0].adapter
+        thinker.sends_chunks = False  # the Thinker's chunks go nowhere: a dead producer
+        outputs.extend(await collect(engine, "nobody hears this", request_id="stalled"))
+
+    residue = with_engine(body, input_wait_timeout_s=0.2)
+    assert outputs[-1].finished and "Timed out waiting for connector input" in (outputs[-1].error or "")
+    assert residue == {}
+
+
+def test_word_timestamps_without_audio_are_refused() -> None:
+    async def body(engine: Orchestrator) -> None:
+        with pytest.raises(ValueError, match="audio"):
+            await collect(engine, "x", modalities=("text",), word_timestamps=True)
+        with pytest.raises(ValueError, match="modalities"):
+            await collect(engine, "x", modalities=("video",))
+
+    assert with_engine(body) == {}
 
 
 def test_cli_writes_a_playable_wav(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

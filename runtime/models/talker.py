@@ -138,7 +138,7 @@ class Talker(nn.Module):
             self.prompt_proj = nn.Linear(2 * text_dim, hidden)
             self.text_proj = nn.Linear(text_dim, hidden)
             self.codec_embed = nn.Embedding(NUM_QUANTIZERS * CODEBOOK_SIZE, hidden)
-            self.cell = nn.GRUCell(hidden, hidden)
+            self.rnn = nn.GRU(hidden, hidden)
             self.head = nn.Linear(hidden, NUM_QUANTIZERS * CODEBOOK_SIZE)
         init_from_seed(self, seed, device)
         self.register_buffer(
@@ -208,8 +208,7 @@ class Talker(nn.Module):
         state.num_steps += 1
         if state.prefill_pos < state.prefill_inputs.shape[0]:
             end = min(state.prefill_pos + PREFILL_CHUNK_ROWS, state.prefill_inputs.shape[0])
-            for t in range(state.prefill_pos, end):
-                state.hidden = self.cell(state.prefill_inputs[t : t + 1], state.hidden)
+            state.hidden = self._advance(state.prefill_inputs[state.prefill_pos : end], state.hidden)
             state.prefill_pos = end
             return torch.zeros(1, NUM_QUANTIZERS, dtype=torch.int64), state, False
         if not state.pending:
@@ -225,7 +224,7 @@ class Talker(nn.Module):
         position = torch.sin(float(state.num_frames + 1) * self.position_freqs).unsqueeze(0)
         previous = self.codec_embed(state.prev_codes + self.codebook_offsets).mean(dim=0, keepdim=True)
         x = previous + self.text_proj(row.unsqueeze(0)) + position
-        state.hidden = self.cell(x, state.hidden)
+        state.hidden = self._advance(x, state.hidden)
         logits = self.head(state.hidden).view(NUM_QUANTIZERS, CODEBOOK_SIZE)
         codes = logits.argmax(dim=-1)
         # Codebook 0 avoids 0 so that no real frame is ever all-zero (a placeholder).
@@ -233,6 +232,11 @@ class Talker(nn.Module):
         state.prev_codes = codes
         state.num_frames += 1
         return codes.view(1, NUM_QUANTIZERS).cpu(), state, False
+
+    def _advance(self, inputs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Run the recurrence over ``inputs`` ``[T, hidden]`` (one call for a whole prefill chunk)."""
+        _, h = self.rnn(inputs.unsqueeze(1), hidden.unsqueeze(0))
+        return h[0]
 
     def generate(self, conditioning: TalkerConditioning) -> torch.Tensor:
         """Every frame of a fully conditioned request, placeholders and stop frame included: ``[steps, 16]``."""

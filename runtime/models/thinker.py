@@ -9,7 +9,7 @@ Obviously a toy, on purpose:
   is exact.
 * **Answer**: the Thinker *echoes* its input with whitespace normalised
   (:meth:`ToyTokenizer.normalize`), followed by EOS. The tokens are teacher-forced, not sampled;
-  the model compute is real (an embedding and a stack of GRU cells run over every position) and
+  the model compute is real (an embedding and a stack of GRU layers run over every position) and
   produces the hidden states the Talker conditions on.
 * **Duration hint**: channel :data:`DURATION_CHANNEL` of the embedding output (layer 0) is not
   learned; it holds the number of codec frames the Talker speaks for that token, an exact small
@@ -161,7 +161,10 @@ class ThinkerOutput:
 
 
 class Thinker(nn.Module):
-    """Toy Thinker: hashed embedding + ``NUM_LAYERS`` GRU cells, run one position at a time."""
+    """Toy Thinker: hashed embedding + ``NUM_LAYERS`` GRU layers.
+
+    Like an LLM's prefill, a step runs all of its positions through each layer in one call, so a
+    long prompt costs far less than as many decode steps."""
 
     def __init__(
         self, *, hidden: int = THINKER_HIDDEN, seed: int = DEFAULT_SEED, device: torch.device | str = "cpu"
@@ -170,7 +173,7 @@ class Thinker(nn.Module):
         self.hidden = hidden
         with torch.device("meta"):
             self.embed = nn.Embedding(EMBED_BUCKETS, hidden)
-            self.cells = nn.ModuleList(nn.GRUCell(hidden, hidden) for _ in range(NUM_LAYERS))
+            self.layers = nn.ModuleList(nn.GRU(hidden, hidden) for _ in range(NUM_LAYERS))
         init_from_seed(self, seed, device)
 
     @property
@@ -221,13 +224,10 @@ class Thinker(nn.Module):
         """Advance the GRU stack over ``token_ids`` (updating ``hidden``); every layer's rows."""
         x = self.embed_tokens(token_ids)
         layers = {0: x}
-        for index, cell in enumerate(self.cells):
-            rows = []
-            for t in range(x.shape[0]):
-                hidden[index] = cell(x[t : t + 1], hidden[index])
-                rows.append(hidden[index])
-            x = torch.cat(rows) if rows else x.new_zeros(0, self.hidden)
-            layers[index + 1] = x
+        for index, layer in enumerate(self.layers):
+            out, h = layer(x.unsqueeze(1), hidden[index].unsqueeze(0))
+            hidden[index] = h[0]
+            x = layers[index + 1] = out[:, 0]
         return layers
 
     def generate(self, text: str) -> ThinkerOutput:

@@ -25,7 +25,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -45,6 +45,10 @@ RECV_BACKOFF_S = 0.001
 RECV_WAKEUP_WAIT_S = 0.05
 
 DRAINING_REASON = "previous sender generation is still draining"
+
+#: How a receiving stage takes a chunk (spec §3.8): an AR stage (the Talker) gets the payload as
+#: it is; a generation stage (Code2Wav) gets it merged into its request as a one-shot prefill.
+WorkerType = Literal["ar", "generation"]
 
 #: A processor turns one scheduler output into the payload of one chunk (spec §4).
 Processor = Callable[..., dict[str, Any] | None]
@@ -129,6 +133,7 @@ def _snapshot(request: Request) -> Request:
     """A copy a processor may read while the scheduler goes on mutating the live request."""
     snap = copy.copy(request)
     snap.prompt_token_ids = list(request.prompt_token_ids)
+    snap.output_token_ids = list(request.output_token_ids)
     if request.additional_information is not None:
         snap.additional_information = {
             k: (dict(v) if isinstance(v, dict) else v) for k, v in request.additional_information.items()
@@ -156,6 +161,7 @@ class ChunkTransferAdapter:
         processor: Processor | None = None,
         receives_chunks: bool = True,
         sends_chunks: bool = True,
+        worker_type: WorkerType = "generation",
         name: str = "adapter",
     ) -> None:
         k = current_kernel()
@@ -165,6 +171,7 @@ class ChunkTransferAdapter:
         self.processor = processor
         self.receives_chunks = receives_chunks
         self.sends_chunks = sends_chunks
+        self.worker_type = worker_type
         self._processor_takes_new_ids = processor is not None and self._accepts_new_token_ids(processor)
         self._serials = 0
         self._stopped = False
@@ -194,6 +201,8 @@ class ChunkTransferAdapter:
         self.segment_finished_requests: dict[str, None] = {}
         self._finished_load_reqs: dict[str, None] = {}
         self._pending_load_reqs: deque[LoadEntry] = deque()
+        #: AR mode: the committed payload of each ready request, applied by the scheduler.
+        self._pending_ar_prompt_updates: dict[str, dict[str, Any]] = {}
         self._recv_cond = k.signal(f"{name}.recv")
         #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
         self.chunk_ready = k.signal(f"{name}.chunk_ready")
@@ -559,7 +568,7 @@ class ChunkTransferAdapter:
         return ok
 
     def _commit_received_chunk(self, entry: LoadEntry, payload: Any, chunk_id: int) -> bool:
-        """Commit one chunk into the request (spec §3.8, generation mode). Under the receiver lock."""
+        """Commit one chunk into the request (spec §3.8); True if it is ready. Under the receiver lock."""
         k = current_kernel()
         if not payload:
             return False
@@ -577,7 +586,19 @@ class ChunkTransferAdapter:
             request.resumable = False
         if segment_finished:
             self.segment_finished_requests[req_id] = None
+        if self.worker_type == "ar":
+            # The scheduler applies it to the ready request, on its own task (spec §3.8 AR mode).
+            self._pending_ar_prompt_updates[req_id] = payload
+        elif not self._merge_generation_chunk(request, payload, meta, finished, segment_finished):
+            return False
+        self._finished_load_reqs[req_id] = None
+        return True
 
+    @staticmethod
+    def _merge_generation_chunk(
+        request: Request, payload: dict[str, Any], meta: dict[str, Any], finished: bool, segment_finished: bool
+    ) -> bool:
+        """Generation mode: the chunk becomes the request's one-shot prompt; False if not ready."""
         codes = payload.get("codes") if isinstance(payload.get("codes"), dict) else {}
         audio = codes.get("audio")
         if isinstance(audio, torch.Tensor):
@@ -612,8 +633,11 @@ class ChunkTransferAdapter:
         if not new_ids and not finished and not segment_finished:
             return False  # an empty non-terminal chunk is not ready: keep polling the next id
         request.num_prompt_tokens = len(request.prompt_token_ids)
-        self._finished_load_reqs[req_id] = None
         return True
+
+    def take_ar_update(self, request_id: str) -> dict[str, Any] | None:
+        """AR mode: the payload committed for ``request_id`` (once), to apply after :meth:`pop_ready`."""
+        return self._pending_ar_prompt_updates.pop(request_id, None)
 
     def pop_ready(self, request_id: str) -> bool:
         """True (once) if a committed chunk of ``request_id`` is ready for the scheduler."""
@@ -621,6 +645,10 @@ class ChunkTransferAdapter:
             del self._finished_load_reqs[request_id]
             return True
         return False
+
+    def has_ready_chunks(self) -> bool:
+        """True while a committed chunk waits for its scheduler (see :meth:`pop_ready`)."""
+        return bool(self._finished_load_reqs)
 
     def is_done_receiving_chunks(self, request_id: str) -> bool:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""
@@ -639,8 +667,11 @@ class ChunkTransferAdapter:
                 self.upstream_exhausted_requests,
                 self.segment_finished_requests,
                 self._finished_load_reqs,
+                self._pending_ar_prompt_updates,
             ):
                 structure.pop(request_id, None)
+            # Its queued poll goes too (a poll already running is stopped by the identity check).
+            self._pending_load_reqs = deque(e for e in self._pending_load_reqs if e.request_id != request_id)
         await k.point("adapter.cleanup_receiver.end", req=request_id)
 
     async def cleanup(self, request_id: str, external_req_id: str | None = None) -> None:
@@ -746,8 +777,9 @@ class ChunkTransferAdapter:
         while not self._stopped:
             generation = self.connector.get_wakeup_generation()
             progress = 0
-            for _ in range(len(self._pending_load_reqs)):
-                entry = self._pending_load_reqs.popleft()
+            batch = list(self._pending_load_reqs)
+            self._pending_load_reqs.clear()
+            for entry in batch:
                 try:
                     drop = await self._poll_single_request(entry)
                 except Exception:

@@ -1,0 +1,111 @@
+"""The async Python client API: ``generate(engine, text, …)`` yields text deltas, audio chunks
+and word timestamps, ending with exactly one terminal output.
+
+It applies the serving rules of spec §7 (#7544): DELTA outputs by default; a streaming request
+with word timestamps runs its stages CUMULATIVE (on cloned parameters) and the client gets each
+sample once through the ``emitted_samples`` trim. Only outputs of the request's final-output
+stages reach the client; an output of any other stage is dropped — which is why an abort terminal
+must be built for the final stage (#7006).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.config.topology import OutputType
+from runtime.orchestrator import EngineOutput, Orchestrator
+from runtime.serving import EmittedSamplesTrim, OutputKind, SamplingParams, request_params
+
+_request_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ClientOutput:
+    """One item of a ``generate`` stream. ``data`` is a ``str`` (text), a 1-D float tensor at
+    24 kHz (audio) or a list of :class:`~runtime.models.aligner.WordTimestamp`. The last item has
+    ``finished`` set; ``error`` says why a request ended early ("aborted" after :func:`abort`)."""
+
+    kind: OutputType
+    data: Any
+    finished: bool = False
+    error: str | None = None
+
+
+def parse_modalities(modalities: Iterable[str]) -> frozenset[OutputType]:
+    wanted = set(modalities)
+    if not wanted or not wanted <= {"text", "audio"}:
+        raise ValueError(f"modalities must be text and/or audio, got {sorted(wanted)}")
+    return frozenset(OutputType(m) for m in wanted)
+
+
+async def generate(
+    engine: Orchestrator,
+    text: str,
+    modalities: Iterable[str] = ("text", "audio"),
+    *,
+    stream: bool = True,
+    word_timestamps: bool = False,
+    request_id: str | None = None,
+) -> AsyncIterator[ClientOutput]:
+    """Run ``text`` through ``engine``. With ``stream`` every delta is yielded as it comes;
+    without, one item per output type at the end. Word timestamps need audio."""
+    outputs = parse_modalities(modalities)
+    if word_timestamps and OutputType.AUDIO not in outputs:
+        raise ValueError("word_timestamps needs the audio modality")
+    params = request_params([SamplingParams()], stream=True, word_timestamps=word_timestamps)
+    rid = request_id if request_id is not None else f"req-{next(_request_ids)}"
+    results = await engine.submit(
+        rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps
+    )
+    final_stages = {s.stage_id for s in engine.config.stages if s.final_output in outputs}
+    trim = EmittedSamplesTrim() if params[-1].output_kind is OutputKind.CUMULATIVE else None
+    pending: list[ClientOutput] = []
+    while True:
+        item = await results.get()
+        for out in _client_outputs(item, final_stages, trim):
+            if stream:
+                yield out
+            elif out.finished:
+                for merged in _merged(pending):
+                    yield merged
+                yield out
+            else:
+                pending.append(out)
+        if item.request_finished:
+            return  # the outer "finished" ends the loop, whether or not its output was accepted
+
+
+def _merged(outputs: list[ClientOutput]) -> list[ClientOutput]:
+    """A non-streaming answer: one output per kind (text joined, audio concatenated)."""
+    by_kind: dict[OutputType, list[Any]] = {}
+    for out in outputs:
+        by_kind.setdefault(out.kind, []).append(out.data)
+    merged = []
+    for kind, parts in by_kind.items():
+        if kind is OutputType.TEXT:
+            merged.append(ClientOutput(kind, "".join(parts)))
+        elif kind is OutputType.AUDIO:
+            merged.append(ClientOutput(kind, torch.cat([p.reshape(-1) for p in parts])))
+        else:
+            merged.append(ClientOutput(kind, parts[-1]))
+    return merged
+
+
+def _client_outputs(item: EngineOutput, final_stages: set[int], trim: EmittedSamplesTrim | None) -> list[ClientOutput]:
+    """What the client gets of one engine output (``_process_single_result``)."""
+    if item.stage_id not in final_stages:
+        return []  # not a final-output stage of this request: dropped
+    data = item.data
+    if item.output_type is OutputType.AUDIO and isinstance(data, torch.Tensor) and trim is not None:
+        data = trim(data)
+    out = []
+    if data is not None and not (isinstance(data, str) and not data):
+        out.append(ClientOutput(item.output_type, data))
+    if item.request_finished:
+        out.append(ClientOutput(item.output_type, None, finished=True, error=item.error))
+    return out

@@ -1,0 +1,350 @@
+"""The orchestrator: a request's life across the stages, from submission to the final sweep.
+
+* **Submission** (spec §1.5): the request enters the Thinker; with async chunking every later
+  stage up to the request's final stage that *receives chunks* gets a prewarm placeholder at
+  once, under the same external id, so it is parked waiting for its first chunk.
+* **Routing** (spec §1.6): an output of a final-output stage goes to the client; a finished
+  output of a stage whose next edge is a forward (``async_chunk`` off) becomes the next stage's
+  whole input. Chunk edges are never forwarded.
+* **Final-output hold**: the finished output of the request's final stage is held until every
+  submitted stage finished, and only then published, as the request's last output.
+* **Abort** (#7006): ``abort`` returns at once; every stage drops the request between two of its
+  steps, and the client gets a terminal built for the request's *final* stage, never stage 0.
+* **Errors**: a stage error (the input-wait deadline, #4855 R1.1) or a send give-up reported
+  through an adapter's failure channel (R1.2) fails the whole request: the other stages drop it
+  and the client gets an error terminal.
+* **Release** (spec §2.11): once no stage needs the request, every sending stage sweeps its
+  unread chunks (``release_shm_resources``). A request id is only reused after that sweep, so a
+  new receiver can never read an old generation's chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.config.pipeline import PipelineConfig
+from runtime.config.topology import OutputType
+from runtime.kernel import current_kernel
+from runtime.models.aligner import ForcedAligner, WordTimestamp
+from runtime.models.code2wav import SAMPLE_RATE
+from runtime.processors.code2wav2aligner import code2wav2aligner
+from runtime.request import Request
+from runtime.sched.ar import ARScheduler
+from runtime.sched.base import IDLE_WAIT_S, StageOutput
+from runtime.sched.generation import GenerationScheduler
+from runtime.serving import OutputKind, StageAudio
+from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta
+
+log = logging.getLogger(__name__)
+
+ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One output of a request, as the engine hands it to the serving layer.
+
+    ``finished`` says the *stage's* output is finished; ``request_finished`` marks the request's
+    last output (after it, nothing more comes).
+    """
+
+    request_id: str
+    stage_id: int
+    output_type: OutputType
+    data: Any
+    finished: bool
+    request_finished: bool = False
+    error: str | None = None
+
+
+class OutputStream:
+    """A request's outputs, in order, for one consumer."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._items: deque[EngineOutput] = deque()
+        self._arrived = current_kernel().signal(f"client.{request_id}")
+
+    def put(self, item: EngineOutput) -> None:
+        self._items.append(item)
+        self._arrived.notify()
+
+    async def get(self) -> EngineOutput:
+        while not self._items:
+            await self._arrived.wait(IDLE_WAIT_S)
+        return self._items.popleft()
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    text: str
+    outputs: frozenset[OutputType]
+    final_stage_id: int
+    stream: OutputStream
+    audio: StageAudio
+    word_timestamps: bool
+    #: Stage id -> that stage's request; kept until the release sweep ran.
+    stage_requests: dict[int, Request] = field(default_factory=dict)
+    finished_stages: set[int] = field(default_factory=set)
+    #: The final stage's finished outputs, held until every submitted stage finished.
+    pending_final: list[EngineOutput] = field(default_factory=list)
+    error: str | None = None
+    #: The client got its terminal: nothing more is published.
+    closed: bool = False
+
+
+class Orchestrator:
+    """Runs the stages of one engine and the requests through them."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        stages: dict[int, Stage],
+        *,
+        aligner: ForcedAligner | None = None,
+        meter: ComputeMeter | None = None,
+    ) -> None:
+        k = current_kernel()
+        self.config = config
+        self.stages = stages
+        self.aligner = aligner
+        self.meter = meter if meter is not None else ComputeMeter()
+        self.async_chunk = config.any_stage_async()
+        #: Live requests by id, from submission until their release sweep ran.
+        self.requests: dict[str, RequestState] = {}
+        #: (stage id, stage request id) -> request; kept until the release sweep ran.
+        self._by_stage_request: dict[tuple[int, str], RequestState] = {}
+        self._to_release: deque[RequestState] = deque()
+        self._release_needed = k.signal("orch.release")
+        self._released = k.signal("orch.released")
+        self._stopped = False
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run every stage's adapter and scheduler, and the release sweeps, until :meth:`shutdown`."""
+        k = current_kernel()
+        async with k.task_group() as tasks:
+            for sid, stage in self.stages.items():
+                tasks.start_soon(stage.adapter.run, name=f"{stage.spec.name}.adapter")
+                tasks.start_soon(
+                    lambda sid=sid, stage=stage: stage.scheduler.serve(
+                        lambda out, sid=sid: self._on_output(sid, out), forever=True
+                    ),
+                    name=f"{stage.spec.name}.scheduler",
+                )
+            tasks.start_soon(self._release_loop, name="orch.release")
+
+    def shutdown(self) -> None:
+        """Stop everything; requests still in flight are dropped (their sweep included)."""
+        self._stopped = True
+        self._release_needed.notify()
+        for stage in self.stages.values():
+            stage.scheduler.shutdown()
+            stage.adapter.shutdown()
+
+    # -- submission -------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request_id: str,
+        text: str,
+        *,
+        outputs: frozenset[OutputType] = frozenset({OutputType.TEXT, OutputType.AUDIO}),
+        output_kind: OutputKind = OutputKind.DELTA,
+        word_timestamps: bool = False,
+    ) -> OutputStream:
+        """Start a request; its outputs arrive on the returned stream. A request id still in use
+        (not yet released) is waited for: the old generation's sweep must run first."""
+        k = current_kernel()
+        if word_timestamps and self.aligner is None:
+            raise ValueError("word_timestamps needs an engine built with a forced aligner")
+        final = self.config.final_stage_id(outputs)
+        await k.point("orch.submit", req=request_id)
+        while request_id in self.requests:
+            await self._released.wait(IDLE_WAIT_S)
+        state = RequestState(
+            request_id=request_id,
+            text=text,
+            outputs=outputs,
+            final_stage_id=final,
+            stream=OutputStream(request_id),
+            audio=StageAudio(OutputKind.CUMULATIVE if word_timestamps else output_kind),
+            word_timestamps=word_timestamps,
+        )
+        self.requests[request_id] = state
+        self._submit_stage(state, 0, {"text": text})
+        if self.async_chunk:
+            for sid in self.config.prewarm_stages(final):
+                self._submit_stage(state, sid, None)
+        return state.stream
+
+    def _submit_stage(self, state: RequestState, stage_id: int, payload: dict[str, Any] | None) -> None:
+        """Add the request to one stage: with its whole input, or as a placeholder (``None``)."""
+        stage = self.stages[stage_id]
+        request = Request(f"{state.request_id}#{stage_id}", state.request_id)
+        if payload is None:
+            # Never executed: the first committed chunk replaces it (spec §1.5).
+            prompt_len = max(1, len(state.stage_requests[0].prompt_token_ids))
+            request.prompt_token_ids = [0] * prompt_len
+        state.stage_requests[stage_id] = request
+        self._by_stage_request[(stage_id, request.request_id)] = state
+        scheduler = stage.scheduler
+        if isinstance(scheduler, GenerationScheduler):
+            codes = None if payload is None else payload["codes"]["audio"].tolist()
+            scheduler.add_request(request, codes)
+        elif isinstance(scheduler, ARScheduler):
+            scheduler.add_request(request, payload, sends=stage_id < state.final_stage_id)
+
+    # -- routing ----------------------------------------------------------------------------------
+
+    def _on_output(self, stage_id: int, out: StageOutput) -> None:
+        state = self._by_stage_request.get((stage_id, out.request_id))
+        if state is None or stage_id in state.finished_stages:
+            return
+        if out.finished:
+            state.finished_stages.add(stage_id)
+        if out.error is not None:
+            if out.error != ABORTED:
+                self._fail(state, f"stage {self.stages[stage_id].spec.name}: {out.error}")
+        elif not state.closed:
+            self._route(state, stage_id, out)
+        self._maybe_complete(state)
+
+    def _route(self, state: RequestState, stage_id: int, out: StageOutput) -> None:
+        model = self.stages[stage_id].spec.model
+        if isinstance(out.data, ThinkerDelta):
+            if OutputType.TEXT in state.outputs and (out.data.text or out.finished):
+                self._publish(state, stage_id, OutputType.TEXT, out.data.text, out.finished)
+            self._forward(state, stage_id, out, out.data.full_payload)
+        elif isinstance(out.data, TalkerFrame):
+            self._forward(state, stage_id, out, out.data.full_payload)
+        elif model == "code2wav":
+            audio = state.audio.update(out.data) if out.data is not None else None
+            if audio is not None or out.finished:
+                self._publish(state, stage_id, OutputType.AUDIO, audio, out.finished)
+            if out.finished and state.word_timestamps:
+                self._publish(state, stage_id, OutputType.TIMESTAMPS, self._align(state), True)
+
+    def _forward(self, state: RequestState, stage_id: int, out: StageOutput, payload: dict[str, Any] | None) -> None:
+        """A finished output becomes the next stage's whole input, on a forward edge only."""
+        nxt = stage_id + 1
+        if not out.finished or stage_id >= state.final_stage_id or nxt in state.stage_requests:
+            return
+        if self.config.delivery((stage_id, nxt)) != "forward" or payload is None:
+            return
+        self._submit_stage(state, nxt, payload)
+
+    def _align(self, state: RequestState) -> list[WordTimestamp]:
+        """Word timestamps of the complete waveform (the aligner's full hand-off, spec §4.4)."""
+        assert self.aligner is not None  # checked at submission
+        whole = state.audio.total()
+        aligner_input = code2wav2aligner(whole, state.text, finished=True, sample_rate=SAMPLE_RATE)
+        if aligner_input is None:
+            return []
+        return self.meter.timed(self.aligner.align, aligner_input.wav, aligner_input.words, SAMPLE_RATE)
+
+    def _publish(self, state: RequestState, stage_id: int, kind: OutputType, data: Any, finished: bool) -> None:
+        item = EngineOutput(state.request_id, stage_id, kind, data, finished)
+        if finished and stage_id == state.final_stage_id:
+            state.pending_final.append(item)  # held until every submitted stage finished
+        else:
+            state.stream.put(item)
+
+    # -- ending -----------------------------------------------------------------------------------
+
+    def _fail(self, state: RequestState, reason: str) -> None:
+        if state.error is None and not state.closed:
+            log.warning("request %s failed: %s", state.request_id, reason)
+            current_kernel().note("orch.fail", req=state.request_id, reason=reason)
+            state.error = reason
+            self._abort_stages(state)
+
+    def _abort_stages(self, state: RequestState) -> None:
+        for sid, request in state.stage_requests.items():
+            if sid not in state.finished_stages:
+                self.stages[sid].scheduler.request_abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """The client is gone: every stage drops the request, and the client's stream ends with
+        an abort terminal. Returns at once (no waiting, no connector I/O on the caller's task)."""
+        k = current_kernel()
+        await k.point("orch.abort.begin", req=request_id)
+        state = self.requests.get(request_id)
+        if state is not None and not state.closed:
+            self._abort_stages(state)
+            # No stage produced an abort output yet: synthesize the client's terminal now.
+            self._close(state, self._terminal(state, ABORTED))
+        await k.point("orch.abort.end", req=request_id)
+
+    def _terminal(self, state: RequestState, error: str) -> EngineOutput:
+        """An error terminal, built for the request's *final* stage and that stage's output type,
+        so the client accepts it (#7006: a stage-0 text terminal is dropped by an audio client)."""
+        stage = self.stages[state.final_stage_id].spec
+        kind = stage.final_output or OutputType.TEXT
+        return EngineOutput(
+            state.request_id, state.final_stage_id, kind, None, finished=True, request_finished=True, error=error
+        )
+
+    def _maybe_complete(self, state: RequestState) -> None:
+        if not set(state.stage_requests) <= state.finished_stages:
+            return
+        if not state.closed:
+            if state.error is not None:
+                self._close(state, self._terminal(state, state.error))
+            else:
+                *held, last = state.pending_final  # the final stage always ends with an output
+                for item in held:
+                    state.stream.put(item)
+                self._close(state, dataclasses.replace(last, request_finished=True))
+        self._to_release.append(state)
+        self._release_needed.notify()
+
+    def _close(self, state: RequestState, terminal: EngineOutput) -> None:
+        state.closed = True
+        state.pending_final.clear()
+        state.stream.put(terminal)
+
+    async def _release_loop(self) -> None:
+        while True:
+            await self._check_send_failures()
+            while self._to_release:
+                await self._release(self._to_release.popleft())
+            if self._stopped:
+                return
+            await self._release_needed.wait(IDLE_WAIT_S)
+
+    async def _release(self, state: RequestState) -> None:
+        """The request-level sweep (spec §2.11), then the id is free for reuse."""
+        for stage in self.stages.values():
+            if stage.adapter.sends_chunks:
+                await stage.adapter.release_shm_resources(state.request_id)
+        for sid, request in state.stage_requests.items():
+            self._by_stage_request.pop((sid, request.request_id), None)
+        if self.requests.get(state.request_id) is state:
+            del self.requests[state.request_id]
+        self._released.notify()
+
+    async def _check_send_failures(self) -> None:
+        """A sender that gave up names the stage request (#4855 R1.2): fail its request."""
+        for sid, stage in self.stages.items():
+            for request_id, reason in stage.adapter.collect_failed_send_request_ids().items():
+                state = self._by_stage_request.get((sid, request_id))
+                if state is None:
+                    log.warning("send failure for unknown request %s: %s", request_id, reason)
+                    continue
+                self._fail(state, f"stage {stage.spec.name} gave up sending: {reason}")
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def residue(self) -> dict[str, list[str]]:
+        """Everything the engine still holds: its own tables, then each stage's, by name."""
+        held = {"requests": list(self.requests), "by_stage_request": [f"{s}:{r}" for s, r in self._by_stage_request]}
+        for stage in self.stages.values():
+            held.update({f"{stage.spec.name}.{name}": items for name, items in stage.residue().items()})
+        return {name: items for name, items in held.items() if items}

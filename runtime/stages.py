@@ -1,0 +1,274 @@
+"""The stages of the Qwen3-Omni pipeline, assembled from a :class:`PipelineConfig`: each one a
+connector, a :class:`ChunkTransferAdapter` and a scheduler driving its model.
+
+* **Thinker** (stage 0, AR): text in, one token per step; its rows go to the Talker chunk by
+  chunk (``thinker2talker_async_chunk``), or whole when it finishes (``async_chunk`` off).
+* **Talker** (stage 1, AR): one codec frame per step; chunk-fed from the Thinker, or fed the
+  forwarded full payload; its frames go to Code2Wav through ``talker2code2wav_async_chunk``.
+* **Code2Wav** (stage 2, generation): decodes each committed chunk (or the forwarded frames) to
+  24 kHz audio.
+
+Every stage boundary is a connector and a scheduler with its own request ids, so a stage can move
+into its own process without the others noticing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from runtime.config.pipeline import PipelineConfig
+from runtime.config.topology import StageKind, StageSpec
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import Store
+from runtime.connectors.wakeup import LocalWakeups
+from runtime.kernel import current_kernel
+from runtime.models.aligner import ForcedAligner
+from runtime.models.code2wav import Code2Wav, decode_chunks
+from runtime.models.talker import Talker, TalkerState
+from runtime.models.thinker import ACCEPT_HIDDEN_LAYER, Thinker, ThinkerState
+from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk, is_valid_frame
+from runtime.processors.thinker2talker import talker_input, thinker2talker_async_chunk
+from runtime.request import Request
+from runtime.sched.ar import ARScheduler, ARStep
+from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageScheduler
+from runtime.sched.generation import GenerationScheduler, ScheduledChunk
+from runtime.transfer.adapter import ChunkTransferAdapter, Processor
+
+T = TypeVar("T")
+
+
+@dataclass
+class Models:
+    thinker: Thinker
+    talker: Talker
+    code2wav: Code2Wav
+    aligner: ForcedAligner
+
+    @classmethod
+    def build(cls, device: str = "cpu") -> Models:
+        return cls(Thinker(device=device), Talker(device=device), Code2Wav(device=device), ForcedAligner(device=device))
+
+
+@dataclass
+class ComputeMeter:
+    """Adds up the kernel time spent in model compute (for the transport-overhead figure)."""
+
+    total_s: float = 0.0
+
+    def timed(self, fn: Callable[..., T], *args: Any) -> T:
+        k = current_kernel()
+        start = k.now()
+        try:
+            return fn(*args)
+        finally:
+            self.total_s += k.now() - start
+
+
+@dataclass(frozen=True)
+class ThinkerDelta:
+    """What one Thinker step gives the orchestrator: the new text, and on the last step of a
+    request whose Talker is fed by forwarding, that Talker's complete input."""
+
+    text: str
+    full_payload: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TalkerFrame:
+    """One Talker frame ``[1, 16]``; on the last step of a forwarding Talker, all valid frames."""
+
+    frame: torch.Tensor
+    full_payload: dict[str, Any] | None = None
+
+
+class ThinkerWorker:
+    """The Thinker's model side. ``collect`` keeps every row for a forwarded hand-off."""
+
+    def __init__(self, model: Thinker, meter: ComputeMeter, *, collect: bool) -> None:
+        self.model = model
+        self.meter = meter
+        self.collect = collect
+        self.states: dict[str, ThinkerState] = {}
+        self.rows: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
+        state = self.states[request.request_id] = self.model.init_state(payload["text"])
+        request.prompt_token_ids = list(state.prompt_token_ids)
+        if self.collect:
+            self.rows[request.request_id] = {0: [], ACCEPT_HIDDEN_LAYER: []}
+
+    def ready(self, request: Request) -> bool:
+        state = self.states.get(request.request_id)
+        return state is not None and not state.finished
+
+    def step(self, request: Request) -> ARStep:
+        rid = request.request_id
+        state = self.states[rid]
+        prefill = state.hidden is None
+        out = self.meter.timed(self.model.step, state)
+        request.output_token_ids.append(out.token_id)
+        layers = {0: out.layers[0], ACCEPT_HIDDEN_LAYER: out.layers[ACCEPT_HIDDEN_LAYER]}
+        multimodal_output: dict[str, Any] = {"hidden_states": {"layers": layers}}
+        if prefill:
+            multimodal_output["embed"] = self.model.tts_embeds()
+        full_payload = None
+        if rid in self.rows:
+            for index, rows in layers.items():
+                self.rows[rid][index].append(rows)
+            if out.finished:
+                full_payload = self._full_payload(request, self.rows.pop(rid))
+        return ARStep(ThinkerDelta(out.text_delta, full_payload), multimodal_output, out.finished)
+
+    def _full_payload(self, request: Request, rows: dict[int, list[torch.Tensor]]) -> dict[str, Any]:
+        """The forwarded hand-off (``thinker2talker`` full payload), laid out as chunk 0."""
+        return {
+            "embed": {"prefill": torch.cat(rows[0]), **self.model.tts_embeds()},
+            "hidden_states": {"output": torch.cat(rows[ACCEPT_HIDDEN_LAYER])},
+            "ids": {"all": request.all_token_ids, "prompt": list(request.prompt_token_ids)},
+        }
+
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self.rows.pop(request_id, None)
+
+    def residue(self) -> dict[str, list[str]]:
+        return {name: list(d) for name, d in (("states", self.states), ("rows", self.rows)) if d}
+
+
+class TalkerWorker:
+    """The Talker's model side. ``collect`` keeps every valid frame for a forwarded hand-off."""
+
+    def __init__(self, model: Talker, meter: ComputeMeter, *, collect: bool) -> None:
+        self.model = model
+        self.meter = meter
+        self.collect = collect
+        self.states: dict[str, TalkerState] = {}
+        self.frames: dict[str, list[torch.Tensor]] = {}
+
+    def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
+        rid = request.request_id
+        given = talker_input(payload, finished=finished)
+        state = self.states.get(rid)
+        if state is None:
+            if given.conditioning is None:
+                raise ValueError(f"{rid}: the Talker's first input carries no prefill rows")
+            self.states[rid] = self.meter.timed(self.model.init_state, given.conditioning)
+            if self.collect:
+                self.frames[rid] = []
+        else:
+            self.model.feed(state, given.rows, finished=finished)
+
+    def ready(self, request: Request) -> bool:
+        state = self.states.get(request.request_id)
+        return state is not None and self.model.ready(state)
+
+    def step(self, request: Request) -> ARStep:
+        rid = request.request_id
+        frame, _, stopped = self.meter.timed(self.model.step, self.states[rid])
+        full_payload = None
+        if rid in self.frames:
+            if is_valid_frame(frame, frozenset({STOP_TOKEN})):
+                self.frames[rid].append(frame)
+            if stopped:
+                frames = self.frames.pop(rid)
+                codes = torch.cat(frames).T.reshape(-1) if frames else torch.empty(0, dtype=torch.int64)
+                full_payload = {"codes": {"audio": codes}}
+        return ARStep(TalkerFrame(frame, full_payload), {"codes": {"audio": frame}}, stopped)
+
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self.frames.pop(request_id, None)
+
+    def residue(self) -> dict[str, list[str]]:
+        return {name: list(d) for name, d in (("states", self.states), ("frames", self.frames)) if d}
+
+
+def code2wav_runner(model: Code2Wav, meter: ComputeMeter) -> Callable[[list[ScheduledChunk]], list[torch.Tensor]]:
+    def run_model(chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
+        return meter.timed(decode_chunks, model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
+
+    return run_model
+
+
+@dataclass
+class Stage:
+    """One stage: what it is, its adapter, its scheduler."""
+
+    spec: StageSpec
+    adapter: ChunkTransferAdapter
+    scheduler: StageScheduler
+    #: Model-side per-request state, for residue reports.
+    workers: list[Any] = field(default_factory=list)
+
+    @property
+    def stage_id(self) -> int:
+        return self.spec.stage_id
+
+    def residue(self) -> dict[str, list[str]]:
+        """Everything the stage still holds, by component and structure."""
+        parts = {
+            "adapter": self.adapter.residue(),
+            "connector": self.adapter.connector.residue(),
+            "scheduler": self.scheduler.residue(),
+        }
+        for worker in self.workers:
+            parts["worker"] = worker.residue()
+        return {f"{part}.{name}": items for part, held in parts.items() for name, items in held.items() if items}
+
+
+def processor_for(name: str | None, config: PipelineConfig, spec: StageSpec) -> Processor | None:
+    """The chunk processor a config names for ``spec``'s outgoing edge."""
+    if name == "thinker2talker_async_chunk":
+        return thinker2talker_async_chunk
+    if name == "talker2code2wav_async_chunk":
+        return Talker2Code2WavAsyncChunk(config.chunking, frozenset(spec.stop_token_ids) or frozenset({STOP_TOKEN}))
+    raise ValueError(f"{config.source}: stage {spec.label} names no known chunk processor ({name!r})")
+
+
+MODELS = ("thinker", "talker", "code2wav")
+
+
+def build_stages(
+    config: PipelineConfig,
+    models: Models,
+    store: Store,
+    meter: ComputeMeter,
+    *,
+    wakeups: LocalWakeups | None = None,
+    input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+) -> dict[int, Stage]:
+    """The three stages of a Qwen3-Omni-shaped ``config`` over ``store`` (one process)."""
+    if tuple(s.model for s in config.stages) != MODELS:
+        raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
+    wakeups = wakeups if wakeups is not None else LocalWakeups()
+    stages: dict[int, Stage] = {}
+    last = len(config.stages) - 1
+    for spec in config.stages:
+        sid = spec.stage_id
+        sends = sid < last and config.delivery((sid, sid + 1)) == "chunks"
+        adapter = ChunkTransferAdapter(
+            ShmConnector(store, stage_id=sid, wakeups=wakeups),
+            processor=processor_for(config.processors(sid).next_stage, config, spec) if sends else None,
+            receives_chunks=config.stage_receives_chunks(sid),
+            sends_chunks=sends,
+            worker_type="ar" if spec.kind is StageKind.LLM_AR else "generation",
+            name=spec.name,
+        )
+        workers: list[Any] = []
+        scheduler: StageScheduler
+        if spec.model == "code2wav":
+            scheduler = GenerationScheduler(adapter, code2wav_runner(models.code2wav, meter), input_wait_timeout_s)
+        else:
+            worker: ThinkerWorker | TalkerWorker = (
+                ThinkerWorker(models.thinker, meter, collect=not sends)
+                if spec.model == "thinker"
+                else TalkerWorker(models.talker, meter, collect=not sends)
+            )
+            workers.append(worker)
+            scheduler = ARScheduler(adapter, worker, input_wait_timeout_s)
+        stages[sid] = Stage(spec, adapter, scheduler, workers)
+    return stages
