@@ -153,9 +153,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     results = []
     for name in sorted(registry.SCENARIOS):
         scn = registry.SCENARIOS[name]
-        plans = [("random", "memory", args.budget), ("random", "posix", max(1, args.budget // 4))]
+        budget = scn.budget(args.budget)
+        plans = [("random", "memory", budget), ("random", "posix", max(1, budget // 4))]
         if scn.constraints:
-            plans.append(("ordered", "memory", max(1, args.budget // 4)))
+            plans.append(("ordered", "memory", max(1, budget // 4)))
         for strategy, store, budget in plans:
             res = ex.explore(name, strategy=strategy, budget=budget, seed=args.seed, store=store, out_dir=args.out)
             results.append(res.summary())

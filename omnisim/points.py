@@ -50,6 +50,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "orch.abort.begin": ("point", "the orchestrator starts aborting a request on every stage [req]"),
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),
+    "scenario.client.wait": ("point", "a scenario's client lets time pass before it disconnects [req]"),
     "orch.reregister": ("point", "a scenario re-registers a request id that was just cleaned up [req]"),
     "mutant.window": ("point", "a window a mutant opens where the correct code has none [ext]"),
     "kernel.block": ("note", "a task blocked on a held lock [on]"),

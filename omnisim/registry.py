@@ -51,6 +51,11 @@ class Scenario:
     faults: Callable[[int], FaultPlan | None] = lambda seed: None
     invariants: tuple[str, ...] = DEFAULT_INVARIANTS
     horizon_s: float = 20.0
+    #: The share of a command's schedule budget this scenario runs (a long schedule runs fewer).
+    budget_share: float = 1.0
+
+    def budget(self, budget: int) -> int:
+        return max(1, int(budget * self.budget_share))
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ def scenario(
     faults: Callable[[int], FaultPlan | None] | None = None,
     invariants: tuple[str, ...] = DEFAULT_INVARIANTS,
     horizon_s: float = 20.0,
+    budget_share: float = 1.0,
 ) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register the decorated ``async def body(world)`` as scenario ``name``."""
 
@@ -93,7 +99,16 @@ def scenario(
         if name in SCENARIOS:
             raise UsageError(f"scenario {name!r} is registered twice")
         SCENARIOS[name] = Scenario(
-            name, summary, issue, build, body, constraints, faults or (lambda seed: None), invariants, horizon_s
+            name,
+            summary,
+            issue,
+            build,
+            body,
+            constraints,
+            faults or (lambda seed: None),
+            invariants,
+            horizon_s,
+            budget_share,
         )
         return body
 

@@ -59,6 +59,8 @@ class World:
         self.probe_failures: dict[str, list[str]] = {}
         #: Further components whose residue() the snapshots include (e.g. a scheduler).
         self.components: dict[str, Any] = {}
+        #: What runs for the whole run, by name: ``(run, shutdown)`` (every stage's adapter loops).
+        self.services: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = {}
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
         """Record a violation of ``invariant`` seen by the scenario itself during the run."""
@@ -73,6 +75,7 @@ class World:
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter)
+        self.services[f"stage{stage_id}"] = (adapter.run, adapter.shutdown)
         return stage
 
     def stream(self, request_id: str, external_req_id: str) -> Stream:
@@ -90,16 +93,16 @@ class World:
         self.snapshots.append(Snapshot(label, {self.store_kind: store}, residue))
 
     async def run(self, body: Callable[[World], Awaitable[None]]) -> None:
-        """Start every stage, run the workload, let the world go idle, snapshot, shut down."""
+        """Start every service, run the workload, let the world go idle, snapshot, shut down."""
         k = current_kernel()
         async with k.task_group() as tasks:
-            for sid, stage in self.stages.items():
-                tasks.start_soon(stage.adapter.run, name=f"stage{sid}")
+            for name, (run, _) in self.services.items():
+                tasks.start_soon(run, name=name)
             await body(self)
             await k.sleep(QUIESCE_S)
             self.snapshot("quiescence")
-            for stage in self.stages.values():
-                stage.adapter.shutdown()
+            for _, shutdown in self.services.values():
+                shutdown()
         self.snapshot("shutdown")
 
     def observed(self, outcome: SimOutcome) -> ObservedWorld:

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from runtime import serving
 from runtime.config.topology import OutputType
 from runtime.orchestrator import EngineOutput, Orchestrator
-from runtime.serving import EmittedSamplesTrim, OutputKind, SamplingParams, request_params
+from runtime.serving import EmittedSamplesTrim, OutputKind
 
 _request_ids = itertools.count()
 
@@ -57,7 +58,7 @@ async def generate(
     outputs = parse_modalities(modalities)
     if word_timestamps and OutputType.AUDIO not in outputs:
         raise ValueError("word_timestamps needs the audio modality")
-    params = request_params([SamplingParams()], stream=True, word_timestamps=word_timestamps)
+    params = serving.request_params(engine.default_sampling_params, stream=True, word_timestamps=word_timestamps)
     rid = request_id if request_id is not None else f"req-{next(_request_ids)}"
     results = await engine.submit(
         rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps

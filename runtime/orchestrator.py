@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from runtime.config.pipeline import PipelineConfig
 from runtime.config.topology import OutputType
 from runtime.kernel import current_kernel
@@ -36,7 +38,7 @@ from runtime.request import Request
 from runtime.sched.ar import ARScheduler
 from runtime.sched.base import IDLE_WAIT_S, StageOutput
 from runtime.sched.generation import GenerationScheduler
-from runtime.serving import OutputKind, StageAudio
+from runtime.serving import OutputKind, SamplingParams, StageAudio
 from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class Orchestrator:
         self.aligner = aligner
         self.meter = meter if meter is not None else ComputeMeter()
         self.async_chunk = config.any_stage_async()
+        #: The per-stage defaults every request starts from (shared: a request changes clones).
+        self.default_sampling_params = [SamplingParams() for _ in config.stages]
         #: Live requests by id, from submission until their release sweep ran.
         self.requests: dict[str, RequestState] = {}
         #: (stage id, stage request id) -> request; kept until the release sweep ran.
@@ -174,7 +178,7 @@ class Orchestrator:
             outputs=outputs,
             final_stage_id=final,
             stream=OutputStream(request_id),
-            audio=StageAudio(OutputKind.CUMULATIVE if word_timestamps else output_kind),
+            audio=StageAudio(output_kind),
             word_timestamps=word_timestamps,
         )
         self.requests[request_id] = state
@@ -225,11 +229,11 @@ class Orchestrator:
         elif isinstance(out.data, TalkerFrame):
             self._forward(state, stage_id, out, out.data.full_payload)
         elif model == "code2wav":
-            audio = state.audio.update(out.data) if out.data is not None else None
+            audio = state.audio.update(out.data) if out.data is not None else state.audio.finish()
             if audio is not None or out.finished:
                 self._publish(state, stage_id, OutputType.AUDIO, audio, out.finished)
             if out.finished and state.word_timestamps:
-                self._publish(state, stage_id, OutputType.TIMESTAMPS, self._align(state), True)
+                self._publish(state, stage_id, OutputType.TIMESTAMPS, self._align(state, audio), True)
 
     def _forward(self, state: RequestState, stage_id: int, out: StageOutput, payload: dict[str, Any] | None) -> None:
         """A finished output becomes the next stage's whole input, on a forward edge only."""
@@ -240,11 +244,11 @@ class Orchestrator:
             return
         self._submit_stage(state, nxt, payload)
 
-    def _align(self, state: RequestState) -> list[WordTimestamp]:
-        """Word timestamps of the complete waveform (the aligner's full hand-off, spec §4.4)."""
+    def _align(self, state: RequestState, final_audio: torch.Tensor | None) -> list[WordTimestamp]:
+        """Word timestamps from the final stage's *finished* output (the aligner's full hand-off,
+        spec §4.4). Only a CUMULATIVE output carries the whole waveform there (#7544)."""
         assert self.aligner is not None  # checked at submission
-        whole = state.audio.total()
-        aligner_input = code2wav2aligner(whole, state.text, finished=True, sample_rate=SAMPLE_RATE)
+        aligner_input = code2wav2aligner(final_audio, state.text, finished=True, sample_rate=SAMPLE_RATE)
         if aligner_input is None:
             return []
         return self.meter.timed(self.aligner.align, aligner_input.wav, aligner_input.words, SAMPLE_RATE)

@@ -66,6 +66,11 @@ class StageAudio:
         self._chunks.append(delta.reshape(-1))
         return self.total() if self.kind is OutputKind.CUMULATIVE else self._chunks[-1]
 
+    def finish(self) -> torch.Tensor | None:
+        """The stage's last output when its last update brought no samples: a CUMULATIVE output
+        still carries everything so far, a DELTA output has nothing to carry."""
+        return self.total() if self.kind is OutputKind.CUMULATIVE else None
+
     def total(self) -> torch.Tensor:
         """Every sample so far (what the aligner gets at the end)."""
         return torch.cat(self._chunks) if self._chunks else torch.empty(0)

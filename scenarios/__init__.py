@@ -8,6 +8,8 @@ from scenarios import (  # noqa: F401
     mutants_6670,
     mutants_8082,
     mutants_codec,
+    mutants_pipeline,
+    pipeline,
     race_6670,
     race_8082,
 )

@@ -23,7 +23,6 @@ from runtime.serving import (
     RequestRejected,
     SamplingParams,
     StageAudio,
-    check_http_speech_request,
 )
 from scenarios.edge import CODE2WAV, TALKER, EdgeRequest, next_chunk, release, together
 
@@ -99,6 +98,7 @@ LENGTHS = {"short": 3, "remainder": 10, "boundary": 29, "long": 60}
     "once, in order, codebook-major, and the terminal flushes the remainder",
     issue="#5413, codebook-major layout",
     build=codec_world,
+    budget_share=0.25,
 )
 async def codec_chunk_boundaries(world: World) -> None:
     reqs = {name: EdgeRequest(world, name) for name in LENGTHS}
@@ -207,6 +207,7 @@ def talk_jobs(reqs: list[EdgeRequest], lengths: dict[str, int]) -> list[tuple[st
     issue="#4706, #5413, #3613",
     build=codec_world,
     horizon_s=60.0,
+    budget_share=0.25,
 )
 async def code2wav_stream(world: World) -> None:
     lengths = {"short": 3, "remainder": 10, "long": 60, "gone": 30}
@@ -261,12 +262,13 @@ class SpeechClient:
     issue="#7544",
     build=codec_world,
     horizon_s=60.0,
+    budget_share=0.25,
 )
 async def streaming_word_timestamps(world: World) -> None:
     defaults = [SamplingParams() for _ in range(3)]
-    check_http_speech_request(stream=False, word_timestamps=True, has_aligner=True)
+    serving.check_http_speech_request(stream=False, word_timestamps=True, has_aligner=True)
     try:
-        check_http_speech_request(stream=True, word_timestamps=True, has_aligner=True)
+        serving.check_http_speech_request(stream=True, word_timestamps=True, has_aligner=True)
         world.probe("aligner-complete", False, "HTTP streaming with word timestamps was accepted")
     except RequestRejected:
         pass

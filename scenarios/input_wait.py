@@ -26,6 +26,7 @@ FRAME_INTERVAL_S = 0.04
     issue="#4855 R1.1, #3736",
     build=codec_world,
     horizon_s=60.0,
+    budget_share=0.25,
 )
 async def input_wait_deadline(world: World) -> None:
     lengths = {"healthy": 80, "dead": 6}

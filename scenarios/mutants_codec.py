@@ -18,7 +18,7 @@ from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
     "flush_on_segment_only",
     summary="the processor's flush flag is only is_segment_finished: a terminal drops the buffered remainder",
     issue="#5413",
-    scenarios=("codec_chunk_boundaries",),
+    scenarios=("codec_chunk_boundaries", "pipeline_requests"),
 )
 def flush_on_segment_only() -> Iterator[Patch]:
     yield Patch(Adapter, "_flush_signal", staticmethod(lambda task: task.is_segment_finished))
@@ -28,7 +28,7 @@ def flush_on_segment_only() -> Iterator[Patch]:
     "no_codebook_major_transpose",
     summary="frames go on the wire frame-major: the length is valid, the codes are scrambled",
     issue="codebook-major layout (spec §4.1 step 7)",
-    scenarios=("codec_chunk_boundaries",),
+    scenarios=("codec_chunk_boundaries", "pipeline_requests"),
 )
 def no_codebook_major_transpose() -> Iterator[Patch]:
     def codebook_major(frames: list[torch.Tensor]) -> torch.Tensor:
@@ -41,7 +41,7 @@ def no_codebook_major_transpose() -> Iterator[Patch]:
     "stream_slice_ignores_tail",
     summary="the streaming Code2Wav slice is [left·1920 : n·1920]: every chunk boundary loses the 555-sample tail",
     issue="#4706",
-    scenarios=("code2wav_stream",),
+    scenarios=("code2wav_stream", "pipeline_requests"),
 )
 def stream_slice_ignores_tail() -> Iterator[Patch]:
     def stream_slice(left_frames: int, n_frames: int, tail: int) -> tuple[int, int]:
@@ -54,7 +54,7 @@ def stream_slice_ignores_tail() -> Iterator[Patch]:
     "no_cumulative_for_timestamps",
     summary="streaming word-timestamp requests stay DELTA: the aligner gets only the last delta",
     issue="#7544",
-    scenarios=("streaming_word_timestamps",),
+    scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
 )
 def no_cumulative_for_timestamps() -> Iterator[Patch]:
     def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
@@ -67,7 +67,7 @@ def no_cumulative_for_timestamps() -> Iterator[Patch]:
     "cumulative_without_clone",
     summary="CUMULATIVE is set on the shared default parameters: later plain requests turn CUMULATIVE, untrimmed",
     issue="#7544",
-    scenarios=("streaming_word_timestamps",),
+    scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
 )
 def cumulative_without_clone() -> Iterator[Patch]:
     def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
@@ -83,7 +83,7 @@ def cumulative_without_clone() -> Iterator[Patch]:
     "no_emitted_samples_trim",
     summary="the client gets every cumulative update whole: samples arrive again and again (800 + 2000 + 2400)",
     issue="#7544",
-    scenarios=("streaming_word_timestamps",),
+    scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
 )
 def no_emitted_samples_trim() -> Iterator[Patch]:
     yield Patch(EmittedSamplesTrim, "__call__", lambda self, cumulative: cumulative)

@@ -220,6 +220,7 @@ async def idle_reap(world: World) -> None:
     summary="65 unread keys at the head of the pending set do not starve the reap of 65 consumed keys behind them",
     issue="#8082 (h)",
     horizon_s=40.0,
+    budget_share=0.25,
 )
 async def unread_head_rotation(world: World) -> None:
     k = current_kernel()

@@ -35,14 +35,10 @@ def test_the_race_table_is_registered() -> None:
     assert len(registry.MUTANTS) >= 15
 
 
-#: Scenarios whose schedule is long (130 keys; 100 codec frames step by step) run fewer schedules.
-HEAVY = {"unread_head_rotation", "codec_chunk_boundaries", "code2wav_stream", "streaming_word_timestamps"}
-
-
 @pytest.mark.parametrize("store", sorted(CLEAN_BUDGET))
 @pytest.mark.parametrize("scenario", sorted(registry.SCENARIOS))
 def test_scenario_is_clean_under_random_schedules(scenario: str, store: str) -> None:
-    budget = CLEAN_BUDGET[store] // (4 if scenario in HEAVY else 1)
+    budget = registry.SCENARIOS[scenario].budget(CLEAN_BUDGET[store])
     res = explore(scenario, budget=budget, store=store)
     assert res.schedules == budget
     assert res.violations == []

@@ -91,19 +91,24 @@ class ARScheduler(StageScheduler):
 
     async def step(self) -> list[StageOutput]:
         outputs = await self._apply_aborts()
-        await self._process_pending_chunks()
+        outputs += await self._process_pending_chunks()
         outputs += await self._expire_stalled()
         outputs += await self._decode()
         return outputs
 
-    async def _process_pending_chunks(self) -> None:
+    async def _process_pending_chunks(self) -> list[StageOutput]:
+        failed = []
         for rid in list(self.chunk_fed):
             request = self.requests[rid]
             if self.adapter.pop_ready(rid):
                 self.registered.pop(rid, None)
                 payload = self.adapter.take_ar_update(rid)
-                if payload is not None:
-                    self.worker.apply(request, payload, finished=self.adapter.is_done_receiving_chunks(rid))
+                try:
+                    if payload is not None:
+                        self.worker.apply(request, payload, finished=self.adapter.is_done_receiving_chunks(rid))
+                except Exception as e:
+                    failed.append(await self._fail(request, f"bad input chunk: {type(e).__name__}: {e}"))
+                    continue
                 self._input_arrived(rid)
             if rid not in self.registered and not self.adapter.is_done_receiving_chunks(rid):
                 await self.adapter.load_async(request)
@@ -113,11 +118,16 @@ class ARScheduler(StageScheduler):
             else:
                 request.status = RequestStatus.WAITING_FOR_CHUNK
                 self._start_waiting(rid)
+        return failed
 
     async def _decode(self) -> list[StageOutput]:
         outputs = []
         for request in [r for r in self.requests.values() if self.worker.ready(r)]:
-            step = self.worker.step(request)
+            try:
+                step = self.worker.step(request)
+            except Exception as e:
+                outputs.append(await self._fail(request, f"model step failed: {type(e).__name__}: {e}"))
+                continue
             request.num_computed_tokens += 1
             is_segment_finished = False
             if step.stopped:

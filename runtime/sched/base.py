@@ -9,6 +9,7 @@ never polled or re-queued again (#3736).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.transfer.adapter import ChunkTransferAdapter
+
+log = logging.getLogger(__name__)
 
 #: VLLM_OMNI_INPUT_WAIT_TIMEOUT_S's default (spec §9).
 INPUT_WAIT_TIMEOUT_S = 600.0
@@ -127,14 +130,16 @@ class StageScheduler:
         return [rid for rid, since in self.waiting_since.items() if now - since > self.input_wait_timeout_s]
 
     async def _expire_stalled(self) -> list[StageOutput]:
-        outputs = []
-        for rid in self._timed_out_request_ids():
-            request = self.requests[rid]
-            await self.adapter.finish_requests([request])
-            self._free(request, RequestStatus.FINISHED_ERROR)
-            reason = f"Timed out waiting for connector input after {self.input_wait_timeout_s:g}s"
-            outputs.append(StageOutput(rid, None, finished=True, error=reason))
-        return outputs
+        reason = f"Timed out waiting for connector input after {self.input_wait_timeout_s:g}s"
+        return [await self._fail(self.requests[rid], reason) for rid in self._timed_out_request_ids()]
+
+    async def _fail(self, request: Request, reason: str) -> StageOutput:
+        """End one request with an error (its input was bad, its model raised, it stalled); the
+        stage and its other requests go on."""
+        log.warning("%s failed: %s", request.request_id, reason)
+        await self.adapter.finish_requests([request])
+        self._free(request, RequestStatus.FINISHED_ERROR)
+        return StageOutput(request.request_id, None, finished=True, error=reason)
 
     # -- leaving ----------------------------------------------------------------------------------
 

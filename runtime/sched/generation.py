@@ -87,7 +87,12 @@ class GenerationScheduler(StageScheduler):
         outputs += await self._expire_stalled()
         try:
             scheduled, finishing = self._schedule()
-            results = self.run_model(scheduled) if scheduled else []
+            try:
+                results = self.run_model(scheduled) if scheduled else []
+            except Exception as e:
+                reason = f"model run failed: {type(e).__name__}: {e}"
+                outputs += [await self._fail(chunk.request, reason) for chunk in scheduled]
+                scheduled, results = [], []
             outputs += await self._update_from_output(scheduled, results, finishing)
         finally:
             self._restore_queues(parked)

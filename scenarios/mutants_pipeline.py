@@ -1,0 +1,68 @@
+"""Mutants of the orchestrator, the AR scheduler and the serving layer, found by the pipeline scenarios."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from omnisim.registry import Patch, mutant
+from runtime import serving
+from runtime.config.topology import OutputType
+from runtime.orchestrator import EngineOutput, Orchestrator, RequestState
+from runtime.sched.ar import ARScheduler
+from runtime.serving import EmittedSamplesTrim
+
+
+@mutant(
+    "abort_terminal_from_stage0",
+    summary="the synthetic abort terminal says stage 0 / text: an audio client drops it and ends with no output",
+    issue="#7006",
+    scenarios=("pipeline_abort_before_output",),
+)
+def abort_terminal_from_stage0() -> Iterator[Patch]:
+    def terminal(self: Orchestrator, state: RequestState, error: str) -> EngineOutput:
+        return EngineOutput(
+            state.request_id, 0, OutputType.TEXT, None, finished=True, request_finished=True, error=error
+        )
+
+    yield Patch(Orchestrator, "_terminal", terminal)
+
+
+@mutant(
+    "terminal_stop_is_segment_boundary",
+    summary="a terminal stop is also flagged is_segment_finished: an empty terminal becomes a one-token prompt",
+    issue="#5383",
+    scenarios=("pipeline_requests",),
+)
+def terminal_stop_is_segment_boundary() -> Iterator[Patch]:
+    yield Patch(ARScheduler, "_is_segment_boundary", staticmethod(lambda finished: True))
+
+
+@mutant(
+    "http_streaming_timestamps_accepted",
+    summary="the HTTP speech endpoint accepts stream=true with word_timestamps instead of pointing to the WebSocket",
+    issue="#7544",
+    scenarios=("streaming_word_timestamps",),
+)
+def http_streaming_timestamps_accepted() -> Iterator[Patch]:
+    def check(*, stream: bool, word_timestamps: bool, has_aligner: bool) -> None:
+        if word_timestamps and not has_aligner:
+            raise serving.RequestRejected("word_timestamps needs a server started with --forced-aligner")
+
+    yield Patch(serving, "check_http_speech_request", check)
+
+
+@mutant(
+    "empty_tail_not_skipped",
+    summary="a cumulative update with no new samples still reaches the client, as an empty audio chunk",
+    issue="#7544",
+    scenarios=("pipeline_word_timestamps",),
+)
+def empty_tail_not_skipped() -> Iterator[Patch]:
+    def trim(self: EmittedSamplesTrim, cumulative: torch.Tensor) -> torch.Tensor | None:
+        new = cumulative[..., self.emitted_samples :]
+        self.emitted_samples = cumulative.shape[-1]
+        return new
+
+    yield Patch(EmittedSamplesTrim, "__call__", trim)

@@ -1,0 +1,243 @@
+"""The whole pipeline under the simulator: the same orchestrator, schedulers, adapters and torch
+models as ``omnisim pipeline run``, with clients on the public ``generate`` API.
+
+Each client checks what it got against the offline answer of its text — every stage run whole,
+one after the other: the text must be the Thinker's answer and the audio the offline decode of
+all the Talker's frames (N·1920 − 555 samples, within 1e-5), each delivered once; the stream must
+end with exactly one terminal; word timestamps must cover the whole audio.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from invariants.observed import Stream
+from omnisim.registry import scenario
+from omnisim.world import World
+from runtime.client import ClientOutput, generate
+from runtime.config.pipeline import load_pipeline
+from runtime.config.topology import OutputType
+from runtime.kernel import current_kernel
+from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
+from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
+from runtime.models.thinker import ToyTokenizer
+from runtime.orchestrator import Orchestrator
+from runtime.pipeline import Models, build_engine
+from scenarios.edge import together
+
+#: Texts by the frame count they give (see ``frames_for_text``): inside the initial chunk of 4,
+#: one chunk plus a remainder (#5413), and exactly on the 4 + 25 boundary (an empty terminal).
+SHORT = "ok go"
+REMAINDER = "hello there world, and more"
+BOUNDARY = "the quick brown fox jumped over the lazy dog and ran away"
+
+
+@functools.cache
+def models() -> Models:
+    """One set of models per process: built from fixed seeds, so every run sees the same weights."""
+    return Models.build()
+
+
+@functools.cache
+def offline_answer(text: str) -> tuple[str, torch.Tensor]:
+    """The text and audio of ``text`` with every stage run whole, one after the other."""
+    m = models()
+    thought = m.thinker.generate(text)
+    frames = [
+        f
+        for f in m.talker.generate(conditioning_from_thinker(thought))
+        if not is_placeholder_frame(f) and not is_stop_frame(f)
+    ]
+    audio = m.code2wav(frames_to_codes(torch.stack(frames))).reshape(-1) if frames else torch.empty(0)
+    return ToyTokenizer.normalize(text), audio
+
+
+def pipeline_world(store_kind: str) -> World:
+    world = World(store_kind)
+    engine = build_engine(load_pipeline("qwen3_omni"), models(), world.store)
+    world.components["engine"] = engine
+    world.services["engine"] = (engine.run, engine.shutdown)
+    return world
+
+
+def engine_of(world: World) -> Orchestrator:
+    engine: Orchestrator = world.components["engine"]
+    return engine
+
+
+@dataclass
+class Client:
+    """One ``generate`` call and what it received."""
+
+    world: World
+    name: str
+    text: str
+    request_id: str
+    modalities: tuple[str, ...] = ("text", "audio")
+    word_timestamps: bool = False
+    outputs: list[ClientOutput] = field(default_factory=list)
+    stream: Stream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = self.world.stream(self.name, self.request_id)
+        self.stream.complete_required = False  # checked by content below, not by frame counts
+
+    async def run(self) -> None:
+        async for out in generate(
+            engine_of(self.world),
+            self.text,
+            self.modalities,
+            word_timestamps=self.word_timestamps,
+            request_id=self.request_id,
+        ):
+            self.outputs.append(out)
+            self.stream.chunks.append((0, out.finished))
+            if out.finished:
+                self.stream.outcome = {None: "finished", "aborted": "aborted"}.get(out.error, "failed")
+        self.check()
+
+    def check(self) -> None:
+        probe = self.world.probe
+        if not any(out.finished for out in self.outputs):
+            probe("terminal-delivered", False, f"{self.name}: generate() ended without a terminal output")
+            self.stream.outcome = "no terminal"
+            return
+        if self.stream.outcome != "finished":
+            return
+        want_text, want_audio = offline_answer(self.text)
+        if "text" in self.modalities:
+            text = "".join(o.data for o in self.outputs if o.kind is OutputType.TEXT and o.data is not None)
+            probe("samples-exactly-once", text == want_text, f"{self.name}: got text {text!r}, want {want_text!r}")
+        if "audio" in self.modalities:
+            empty = [
+                i
+                for i, o in enumerate(self.outputs)
+                if o.kind is OutputType.AUDIO and o.data is not None and not o.data.numel()
+            ]
+            probe(
+                "samples-exactly-once",
+                not empty,
+                f"{self.name}: empty audio outputs at {empty} (a spurious WAV header and first-audio mark)",
+            )
+            audio = self.audio()
+            same = audio.numel() == want_audio.numel() and bool(torch.allclose(audio, want_audio, atol=1e-5))
+            probe(
+                "samples-exactly-once",
+                same,
+                f"{self.name}: the client got {audio.numel()} samples; the offline decode has "
+                f"{want_audio.numel()}" + ("" if audio.numel() != want_audio.numel() else ", with different values"),
+            )
+        if self.word_timestamps:
+            stamps = [o.data for o in self.outputs if o.kind is OutputType.TIMESTAMPS and o.data is not None]
+            audio_ms = want_audio.numel() / SAMPLE_RATE * 1000
+            end = stamps[-1][-1].end_ms if stamps and stamps[-1] else None
+            probe(
+                "aligner-complete",
+                end is not None and abs(end - audio_ms) <= 1,
+                f"{self.name}: the timestamps end at {end} ms but the audio lasts {audio_ms:.0f} ms",
+            )
+
+    def audio(self) -> torch.Tensor:
+        pieces = [o.data.reshape(-1) for o in self.outputs if o.kind is OutputType.AUDIO and o.data is not None]
+        return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None:
+    """The client disconnects once its request is in the engine (or over), after ``after_points``
+    scheduling points — each one a decision of the strategy, so it picks where the abort lands."""
+    k = current_kernel()
+    engine = engine_of(client.world)
+    while client.request_id not in engine.requests and client.stream.outcome == "open":
+        await k.sleep(0.001)
+    for _ in range(after_points):
+        await k.point("scenario.client.wait", req=client.request_id)
+    await engine.abort(client.request_id)
+
+
+@scenario(
+    "pipeline_requests",
+    summary="three concurrent text+audio requests through Thinker → Talker → Code2Wav: one inside the initial "
+    "chunk, one with a remainder, one on the 4+25 boundary (empty terminal); each gets its exact text and audio",
+    issue="#5413, #5383, spec §1.5–1.6, §4.1–4.2",
+    build=pipeline_world,
+    horizon_s=60.0,
+    budget_share=0.5,
+)
+async def pipeline_requests(world: World) -> None:
+    clients = [
+        Client(world, "short", SHORT, "short"),
+        Client(world, "remainder", REMAINDER, "remainder"),
+        Client(world, "boundary", BOUNDARY, "boundary"),
+    ]
+    await together(*((c.name, c.run) for c in clients))
+
+
+@scenario(
+    "pipeline_word_timestamps",
+    summary="a streaming request with word timestamps next to a plain one: CUMULATIVE stage outputs trimmed to "
+    "each sample once, and the aligner gets the complete waveform",
+    issue="#7544",
+    build=pipeline_world,
+    horizon_s=60.0,
+    budget_share=0.5,
+)
+async def pipeline_word_timestamps(world: World) -> None:
+    # On the chunk boundary: the last update brings no samples, so the trim has nothing to send.
+    timed = Client(world, "timed", BOUNDARY, "timed", word_timestamps=True)
+    plain = Client(world, "plain", REMAINDER, "plain")
+    await together(("timed", timed.run), ("plain", plain.run))
+
+
+@scenario(
+    "pipeline_abort_before_output",
+    summary="a client aborts right after submitting, before any engine output: its stream still ends with exactly "
+    "one terminal, built for the final stage (an audio-only client included)",
+    issue="#7006",
+    build=pipeline_world,
+    horizon_s=60.0,
+    budget_share=0.5,
+)
+async def pipeline_abort_before_output(world: World) -> None:
+    audio_only = Client(world, "audio_only", REMAINDER, "A", modalities=("audio",))
+    both = Client(world, "both", SHORT, "B")
+    for client in (audio_only, both):
+        client.stream.allowed_outcomes = frozenset({"aborted", "finished"})
+
+    await together(
+        ("A", audio_only.run),
+        ("A.abort", lambda: abort_once_submitted(audio_only)),
+        ("B", both.run),
+        ("B.abort", lambda: abort_once_submitted(both)),
+    )
+
+
+@scenario(
+    "pipeline_concurrent_chaos",
+    summary="concurrent requests while clients abort at random points and an id is reused at once: every "
+    "client gets one terminal, finished ones their exact answer, and nothing is left behind",
+    issue="#8082, #6670, #7006, spec §2.11",
+    build=pipeline_world,
+    horizon_s=60.0,
+    budget_share=0.5,
+)
+async def pipeline_concurrent_chaos(world: World) -> None:
+    steady = Client(world, "steady", REMAINDER, "S")
+    flaky = Client(world, "flaky", BOUNDARY, "F")
+    reused = Client(world, "reused", SHORT, "R")
+    again = Client(world, "reused.again", REMAINDER, "R")
+    for client in (flaky, reused):
+        client.stream.allowed_outcomes = frozenset({"aborted", "finished"})
+
+    async def reuse() -> None:
+        await together(("R.first", reused.run), ("R.abort", lambda: abort_once_submitted(reused, after_points=3)))
+        await again.run()  # the same id at once: the engine waits out the old generation's sweep
+
+    await together(
+        ("S", steady.run),
+        ("F", flaky.run),
+        ("F.abort", lambda: abort_once_submitted(flaky, after_points=8)),
+        ("R", reuse),
+    )
