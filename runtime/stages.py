@@ -29,9 +29,14 @@ from runtime.kernel import current_kernel
 from runtime.models.aligner import ForcedAligner
 from runtime.models.code2wav import Code2Wav, decode_chunks
 from runtime.models.talker import Talker, TalkerState
-from runtime.models.thinker import ACCEPT_HIDDEN_LAYER, Thinker, ThinkerState
-from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk, is_valid_frame
-from runtime.processors.thinker2talker import talker_input, thinker2talker_async_chunk
+from runtime.models.thinker import Thinker, ThinkerState, ThinkerSteps
+from runtime.processors.talker2code2wav import (
+    STOP_TOKEN,
+    Talker2Code2WavAsyncChunk,
+    is_valid_frame,
+    talker2code2wav_full_payload,
+)
+from runtime.processors.thinker2talker import talker_input, thinker2talker_async_chunk, thinker2talker_full_payload
 from runtime.request import Request
 from runtime.sched.ar import ARScheduler, ARStep
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageScheduler
@@ -93,13 +98,13 @@ class ThinkerWorker:
         self.meter = meter
         self.collect = collect
         self.states: dict[str, ThinkerState] = {}
-        self.rows: dict[str, dict[int, list[torch.Tensor]]] = {}
+        self.collected: dict[str, ThinkerSteps] = {}
 
     def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
         state = self.states[request.request_id] = self.model.init_state(payload["text"])
         request.prompt_token_ids = list(state.prompt_token_ids)
         if self.collect:
-            self.rows[request.request_id] = {0: [], ACCEPT_HIDDEN_LAYER: []}
+            self.collected[request.request_id] = ThinkerSteps()
 
     def ready(self, request: Request) -> bool:
         state = self.states.get(request.request_id)
@@ -111,32 +116,24 @@ class ThinkerWorker:
         prefill = state.hidden is None
         out = self.meter.timed(self.model.step, state)
         request.output_token_ids.append(out.token_id)
-        layers = {0: out.layers[0], ACCEPT_HIDDEN_LAYER: out.layers[ACCEPT_HIDDEN_LAYER]}
-        multimodal_output: dict[str, Any] = {"hidden_states": {"layers": layers}}
+        multimodal_output: dict[str, Any] = {"hidden_states": {"layers": out.layers}}
         if prefill:
             multimodal_output["embed"] = self.model.tts_embeds()
         full_payload = None
-        if rid in self.rows:
-            for index, rows in layers.items():
-                self.rows[rid][index].append(rows)
+        steps = self.collected.get(rid)
+        if steps is not None:
+            steps.append(out)
             if out.finished:
-                full_payload = self._full_payload(request, self.rows.pop(rid))
+                del self.collected[rid]
+                full_payload = thinker2talker_full_payload(steps.output(state, self.model.tts_embeds()))
         return ARStep(ThinkerDelta(out.text_delta, full_payload), multimodal_output, out.finished)
-
-    def _full_payload(self, request: Request, rows: dict[int, list[torch.Tensor]]) -> dict[str, Any]:
-        """The forwarded hand-off (``thinker2talker`` full payload), laid out as chunk 0."""
-        return {
-            "embed": {"prefill": torch.cat(rows[0]), **self.model.tts_embeds()},
-            "hidden_states": {"output": torch.cat(rows[ACCEPT_HIDDEN_LAYER])},
-            "ids": {"all": request.all_token_ids, "prompt": list(request.prompt_token_ids)},
-        }
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-        self.rows.pop(request_id, None)
+        self.collected.pop(request_id, None)
 
     def residue(self) -> dict[str, list[str]]:
-        return {name: list(d) for name, d in (("states", self.states), ("rows", self.rows)) if d}
+        return {name: list(d) for name, d in (("states", self.states), ("collected", self.collected)) if d}
 
 
 class TalkerWorker:
@@ -174,9 +171,7 @@ class TalkerWorker:
             if is_valid_frame(frame, frozenset({STOP_TOKEN})):
                 self.frames[rid].append(frame)
             if stopped:
-                frames = self.frames.pop(rid)
-                codes = torch.cat(frames).T.reshape(-1) if frames else torch.empty(0, dtype=torch.int64)
-                full_payload = {"codes": {"audio": codes}}
+                full_payload = talker2code2wav_full_payload(self.frames.pop(rid))
         return ARStep(TalkerFrame(frame, full_payload), {"codes": {"audio": frame}}, stopped)
 
     def release(self, request_id: str) -> None:

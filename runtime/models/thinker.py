@@ -160,6 +160,28 @@ class ThinkerOutput:
     tts_embeds: dict[str, torch.Tensor]
 
 
+@dataclass
+class ThinkerSteps:
+    """The steps of one request gathered into a :class:`ThinkerOutput` (the full-payload view)."""
+
+    pieces: list[str] = field(default_factory=list)
+    rows: dict[int, list[torch.Tensor]] = field(default_factory=lambda: {i: [] for i in range(NUM_LAYERS + 1)})
+
+    def append(self, step: ThinkerStep) -> None:
+        self.pieces.append(step.text_delta)
+        for index, rows in step.layers.items():
+            self.rows[index].append(rows)
+
+    def output(self, state: ThinkerState, tts_embeds: dict[str, torch.Tensor]) -> ThinkerOutput:
+        return ThinkerOutput(
+            prompt_token_ids=list(state.prompt_token_ids),
+            output_token_ids=list(state.output_token_ids),
+            text="".join(self.pieces),
+            layers={i: torch.cat(rows) for i, rows in self.rows.items()},
+            tts_embeds=tts_embeds,
+        )
+
+
 class Thinker(nn.Module):
     """Toy Thinker: hashed embedding + ``NUM_LAYERS`` GRU layers.
 
@@ -233,17 +255,7 @@ class Thinker(nn.Module):
     def generate(self, text: str) -> ThinkerOutput:
         """Run a whole request through :meth:`step` and gather every row (the full-payload view)."""
         state = self.init_state(text)
-        chunks: dict[int, list[torch.Tensor]] = {i: [] for i in range(NUM_LAYERS + 1)}
-        pieces: list[str] = []
+        steps = ThinkerSteps()
         while not state.finished:
-            out = self.step(state)
-            pieces.append(out.text_delta)
-            for index, rows in out.layers.items():
-                chunks[index].append(rows)
-        return ThinkerOutput(
-            prompt_token_ids=list(state.prompt_token_ids),
-            output_token_ids=list(state.output_token_ids),
-            text="".join(pieces),
-            layers={i: torch.cat(rows) for i, rows in chunks.items()},
-            tts_embeds=self.tts_embeds(),
-        )
+            steps.append(self.step(state))
+        return steps.output(state, self.tts_embeds())

@@ -88,3 +88,10 @@ class Talker2Code2WavAsyncChunk:
             return initial, length + initial  # chunk 1 re-sends the initial chunk as context
         left = max(0, min(length - new, self.chunking.codec_left_context_frames))
         return left, min(length, left + new)
+
+
+def talker2code2wav_full_payload(frames: list[torch.Tensor]) -> dict[str, Any]:
+    """``async_chunk`` off: every valid frame of a finished Talker request, forwarded whole by the
+    orchestrator, in the chunk layout (codebook-major flat ids)."""
+    codes = codebook_major(frames) if frames else torch.empty(0, dtype=torch.int64)
+    return {"codes": {"audio": codes}}

@@ -1,0 +1,88 @@
+"""The AR scheduler's own rules (the pipeline scenarios drive it end to end)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import MemoryStore
+from runtime.request import Request, RequestStatus
+from runtime.sched.ar import ARScheduler, ARStep
+from runtime.transfer.adapter import ChunkTransferAdapter, SaveTask
+
+
+@dataclass
+class CountingWorker:
+    """Speaks ``steps`` steps per request once it has input; raises on a request named "bad"."""
+
+    steps: int = 2
+    left: dict[str, int] = field(default_factory=dict)
+
+    def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
+        self.left[request.request_id] = self.steps
+
+    def ready(self, request: Request) -> bool:
+        return self.left.get(request.request_id, 0) > 0
+
+    def step(self, request: Request) -> ARStep:
+        if request.request_id == "bad":
+            raise RuntimeError("boom")
+        self.left[request.request_id] -= 1
+        stopped = self.left[request.request_id] == 0
+        return ARStep(output=request.num_computed_tokens, multimodal_output={"x": 1}, stopped=stopped)
+
+    def release(self, request_id: str) -> None:
+        self.left.pop(request_id, None)
+
+
+def make(*, receives: bool = False, timeout: float = 600.0) -> ARScheduler:
+    adapter = ChunkTransferAdapter(
+        ShmConnector(MemoryStore(), stage_id=1), receives_chunks=receives, worker_type="ar", name="talker"
+    )
+    return ARScheduler(adapter, CountingWorker(), input_wait_timeout_s=timeout)
+
+
+async def test_a_terminal_stop_is_not_a_segment_boundary() -> None:
+    scheduler = make()
+    request = Request("t", "R")
+    scheduler.add_request(request, {"text": "x"})
+    first = await scheduler.step()
+    last = await scheduler.step()
+    assert [o.finished for o in first + last] == [False, True]
+    tasks = [t for t in scheduler.adapter._pending_save_reqs if isinstance(t, SaveTask)]
+    assert [(t.is_finished, t.is_segment_finished) for t in tasks] == [(False, False), (True, False)]
+    assert request.status is RequestStatus.FINISHED_STOPPED and scheduler.residue() == {}
+
+
+async def test_a_chunk_fed_placeholder_parks_and_times_out() -> None:
+    scheduler = make(receives=True, timeout=0.05)
+    request = Request("t", "R", prompt_token_ids=[0, 0, 0])
+    scheduler.add_request(request)
+    assert await scheduler.step() == []
+    assert request.status is RequestStatus.WAITING_FOR_CHUNK
+    await trio.sleep(0.1)
+    (out,) = await scheduler.step()
+    assert out.finished and out.error and "Timed out waiting for connector input" in out.error
+    assert scheduler.residue() == {} and scheduler.adapter.residue() == {}
+
+
+async def test_a_failing_model_step_fails_only_its_request() -> None:
+    scheduler = make()
+    good, bad = Request("good", "G"), Request("bad", "B")
+    scheduler.add_request(good, {"text": "x"})
+    scheduler.add_request(bad, {"text": "x"})
+    outputs = await scheduler.step() + await scheduler.step()
+    errors = {o.request_id: o.error for o in outputs if o.finished}
+    assert errors["good"] is None and "boom" in (errors["bad"] or "")
+    assert bad.status is RequestStatus.FINISHED_ERROR and good.status is RequestStatus.FINISHED_STOPPED
+
+
+async def test_last_stage_requests_send_nothing_downstream() -> None:
+    scheduler = make()
+    scheduler.add_request(Request("t", "R"), {"text": "x"}, sends=False)
+    await scheduler.step()
+    await scheduler.step()
+    assert not scheduler.adapter._pending_save_reqs and scheduler.residue() == {}
