@@ -19,6 +19,7 @@ import torch
 
 from runtime import serving
 from runtime.config.topology import OutputType
+from runtime.models.code2wav import SAMPLE_RATE
 from runtime.orchestrator import EngineOutput, Orchestrator
 from runtime.serving import EmittedSamplesTrim, OutputKind
 
@@ -52,9 +53,13 @@ async def generate(
     stream: bool = True,
     word_timestamps: bool = False,
     request_id: str | None = None,
+    sample_rate: int = SAMPLE_RATE,
 ) -> AsyncIterator[ClientOutput]:
     """Run ``text`` through ``engine``. With ``stream`` every delta is yielded as it comes;
-    without, one item per output type at the end. Word timestamps need audio."""
+    without, one item per output type at the end. Word timestamps need audio; audio is
+    delivered at ``sample_rate`` (resampled from the model's 24 kHz)."""
+    if sample_rate <= 0:
+        raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     outputs = parse_modalities(modalities)
     if word_timestamps and OutputType.AUDIO not in outputs:
         raise ValueError("word_timestamps needs the audio modality")
@@ -68,7 +73,7 @@ async def generate(
     pending: list[ClientOutput] = []
     while True:
         item = await results.get()
-        for out in _client_outputs(item, final_stages, trim):
+        for out in _client_outputs(item, final_stages, trim, sample_rate):
             if stream:
                 yield out
             elif out.finished:
@@ -97,13 +102,15 @@ def _merged(outputs: list[ClientOutput]) -> list[ClientOutput]:
     return merged
 
 
-def _client_outputs(item: EngineOutput, final_stages: set[int], trim: EmittedSamplesTrim | None) -> list[ClientOutput]:
+def _client_outputs(
+    item: EngineOutput, final_stages: set[int], trim: EmittedSamplesTrim | None, sample_rate: int
+) -> list[ClientOutput]:
     """What the client gets of one engine output (``_process_single_result``)."""
     if item.stage_id not in final_stages:
         return []  # not a final-output stage of this request: dropped
     data = item.data
-    if item.output_type is OutputType.AUDIO and isinstance(data, torch.Tensor) and trim is not None:
-        data = trim(data)
+    if item.output_type is OutputType.AUDIO and isinstance(data, torch.Tensor):
+        data = serving.client_audio(data, trim, from_rate=SAMPLE_RATE, to_rate=sample_rate)
     out = []
     if data is not None and not (isinstance(data, str) and not data):
         out.append(ClientOutput(item.output_type, data))

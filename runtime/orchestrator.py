@@ -316,7 +316,7 @@ class Orchestrator:
 
     async def _release_loop(self) -> None:
         while True:
-            await self._check_send_failures()
+            self._check_send_failures()
             while self._to_release:
                 await self._release(self._to_release.popleft())
             if self._stopped:
@@ -328,13 +328,16 @@ class Orchestrator:
         for stage in self.stages.values():
             if stage.adapter.sends_chunks:
                 await stage.adapter.release_shm_resources(state.request_id)
+        # A give-up of this generation was recorded before its sweep ran (same save FIFO): read it
+        # now, while the stage request ids still name this generation and not a reuse of the id.
+        self._check_send_failures()
         for sid, request in state.stage_requests.items():
             self._by_stage_request.pop((sid, request.request_id), None)
         if self.requests.get(state.request_id) is state:
             del self.requests[state.request_id]
         self._released.notify()
 
-    async def _check_send_failures(self) -> None:
+    def _check_send_failures(self) -> None:
         """A sender that gave up names the stage request (#4855 R1.2): fail its request."""
         for sid, stage in self.stages.items():
             for request_id, reason in stage.adapter.collect_failed_send_request_ids().items():

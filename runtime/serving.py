@@ -88,3 +88,25 @@ class EmittedSamplesTrim:
         new = cumulative[..., self.emitted_samples :]
         self.emitted_samples = total
         return new if new.numel() else None
+
+
+def resample(audio: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
+    """Linear resampling of a 1-D chunk to ``round(len · to_rate / from_rate)`` samples."""
+    if from_rate == to_rate or audio.numel() == 0:
+        return audio
+    size = max(1, round(audio.numel() * to_rate / from_rate))
+    return torch.nn.functional.interpolate(
+        audio.reshape(1, 1, -1), size=size, mode="linear", align_corners=False
+    ).reshape(-1)
+
+
+def client_audio(
+    chunk: torch.Tensor, trim: EmittedSamplesTrim | None, *, from_rate: int, to_rate: int
+) -> torch.Tensor | None:
+    """What the client gets of one audio output: the new samples only (trimmed in the model's
+    own samples, *before* resampling — the count is in those units), then resampled; None when
+    nothing is new."""
+    new = trim(chunk) if trim is not None else chunk
+    if new is None:
+        return None
+    return resample(new, from_rate, to_rate)

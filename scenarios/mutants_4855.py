@@ -14,7 +14,7 @@ from runtime.transfer.adapter import SaveTask
 
 DEADLINE = ("input_wait_deadline",)
 #: The scenarios whose sender gives up: a put that reports failure, and one that raises.
-GIVE_UP = ("abort_with_terminal_queued", "terminal_success_vs_failure")
+GIVE_UP = ("abort_with_terminal_queued", "terminal_success_vs_failure", "pipeline_send_failure")
 
 
 @mutant(
@@ -72,7 +72,7 @@ def send_failure_under_external_id() -> Iterator[Patch]:
     "put_failure_not_recorded",
     summary="put returning False is only logged: the consumer waits for a chunk that will never come",
     issue="#4855 R1.2",
-    scenarios=("abort_with_terminal_queued",),
+    scenarios=("abort_with_terminal_queued", "pipeline_send_failure"),
 )
 def put_failure_not_recorded() -> Iterator[Patch]:
     yield Patch(Adapter, "_put_failed", lambda self, task, key: None)

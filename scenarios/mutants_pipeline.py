@@ -66,3 +66,24 @@ def empty_tail_not_skipped() -> Iterator[Patch]:
         return new
 
     yield Patch(EmittedSamplesTrim, "__call__", trim)
+
+
+@mutant(
+    "trim_after_resampling",
+    summary="the cumulative output is resampled before the trim, which still counts model samples: "
+    "the client loses (or repeats) audio by the resampling ratio",
+    issue="#7544",
+    scenarios=("pipeline_word_timestamps",),
+)
+def trim_after_resampling() -> Iterator[Patch]:
+    def client_audio(
+        chunk: torch.Tensor, trim: EmittedSamplesTrim | None, *, from_rate: int, to_rate: int
+    ) -> torch.Tensor | None:
+        resampled = serving.resample(chunk, from_rate, to_rate)
+        if trim is None:
+            return resampled
+        new = resampled[..., trim.emitted_samples :]
+        trim.emitted_samples = chunk.shape[-1]
+        return new if new.numel() else None
+
+    yield Patch(serving, "client_audio", client_audio)

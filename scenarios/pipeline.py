@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from invariants.observed import Stream
+from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
@@ -78,6 +79,7 @@ class Client:
     request_id: str
     modalities: tuple[str, ...] = ("text", "audio")
     word_timestamps: bool = False
+    sample_rate: int = SAMPLE_RATE
     outputs: list[ClientOutput] = field(default_factory=list)
     stream: Stream = field(init=False)
 
@@ -92,6 +94,7 @@ class Client:
             self.modalities,
             word_timestamps=self.word_timestamps,
             request_id=self.request_id,
+            sample_rate=self.sample_rate,
         ):
             self.outputs.append(out)
             self.stream.chunks.append((0, out.finished))
@@ -123,12 +126,19 @@ class Client:
                 f"{self.name}: empty audio outputs at {empty} (a spurious WAV header and first-audio mark)",
             )
             audio = self.audio()
-            same = audio.numel() == want_audio.numel() and bool(torch.allclose(audio, want_audio, atol=1e-5))
+            if self.sample_rate == SAMPLE_RATE:
+                same = audio.numel() == want_audio.numel() and bool(torch.allclose(audio, want_audio, atol=1e-5))
+                expected = f"{want_audio.numel()}"
+            else:
+                # Chunks are resampled one by one: each may round its length by one sample.
+                want = want_audio.numel() * self.sample_rate / SAMPLE_RATE
+                same = abs(audio.numel() - want) <= len(self.outputs)
+                expected = f"{want:.0f} at {self.sample_rate} Hz"
             probe(
                 "samples-exactly-once",
                 same,
-                f"{self.name}: the client got {audio.numel()} samples; the offline decode has "
-                f"{want_audio.numel()}" + ("" if audio.numel() != want_audio.numel() else ", with different values"),
+                f"{self.name}: the client got {audio.numel()} samples; the offline decode has {expected}"
+                + ("" if audio.numel() != want_audio.numel() else ", with different values"),
             )
         if self.word_timestamps:
             stamps = [o.data for o in self.outputs if o.kind is OutputType.TIMESTAMPS and o.data is not None]
@@ -177,8 +187,8 @@ async def pipeline_requests(world: World) -> None:
 
 @scenario(
     "pipeline_word_timestamps",
-    summary="a streaming request with word timestamps next to a plain one: CUMULATIVE stage outputs trimmed to "
-    "each sample once, and the aligner gets the complete waveform",
+    summary="streaming requests with word timestamps (one resampled to 16 kHz) next to a plain one: CUMULATIVE "
+    "stage outputs trimmed to each sample once before resampling, and the aligner gets the complete waveform",
     issue="#7544",
     build=pipeline_world,
     horizon_s=60.0,
@@ -188,7 +198,9 @@ async def pipeline_word_timestamps(world: World) -> None:
     # On the chunk boundary: the last update brings no samples, so the trim has nothing to send.
     timed = Client(world, "timed", BOUNDARY, "timed", word_timestamps=True)
     plain = Client(world, "plain", REMAINDER, "plain")
-    await together(("timed", timed.run), ("plain", plain.run))
+    # Resampled for the client: the trim counts model samples, so it must come first.
+    resampled = Client(world, "timed.16k", REMAINDER, "timed16k", word_timestamps=True, sample_rate=16000)
+    await together(*((c.name, c.run) for c in (timed, plain, resampled)))
 
 
 @scenario(
@@ -241,3 +253,20 @@ async def pipeline_concurrent_chaos(world: World) -> None:
         ("F.abort", lambda: abort_once_submitted(flaky, after_points=8)),
         ("R", reuse),
     )
+
+
+@scenario(
+    "pipeline_send_failure",
+    summary="the Thinker's put of one chunk of a request fails: the orchestrator reads the sender's give-up and "
+    "fails that request with an error terminal at once (no wait for the input deadline); its neighbour finishes",
+    issue="#4855 R1.2",
+    build=pipeline_world,
+    faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_0_3"})], seed),
+    horizon_s=60.0,
+    budget_share=0.5,
+)
+async def pipeline_send_failure(world: World) -> None:
+    failing = Client(world, "failing", REMAINDER, "F")
+    failing.stream.allowed_outcomes = frozenset({"failed"})
+    healthy = Client(world, "healthy", SHORT, "H")
+    await together(("F", failing.run), ("H", healthy.run))

@@ -4,6 +4,7 @@ Talker to the same frames as the full payload."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,8 @@ def test_missing_layers_and_multi_row_decode_chunks_send_nothing(caplog: pytest.
     assert tm.send(request, {"hidden_states": {"layers": {0: torch.randn(1, THINKER_HIDDEN)}}}, False) is None
     assert tm.send(request, {}, False) is None
     tm.put_req_chunk["R"] = 1
-    assert tm.send(request, rows(2), False) is None
+    with caplog.at_level(logging.WARNING, logger="runtime.processors.thinker2talker"):
+        assert tm.send(request, rows(2), False) is None
     assert "dropped" in caplog.text
 
 
