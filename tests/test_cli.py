@@ -142,14 +142,23 @@ def test_explore_clean_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert not Path("artifacts").exists()  # nothing failed, nothing saved
 
 
-def test_explore_finds_mutant_and_replay_reproduces(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "mutant", "invariant"),
+    [
+        ("similar_ids", "prefix_cleanup", "exact-key-ownership"),
+        ("pipeline_abort_before_output", "abort_terminal_from_stage0", "terminal-delivered"),
+    ],
+)
+def test_explore_finds_mutant_and_replay_reproduces(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, scenario: str, mutant: str, invariant: str
+) -> None:
     out_dir = tmp_path / "out"
     code, out, err = omnisim(
         capsys,
         "explore",
-        "similar_ids",
+        scenario,
         "--mutant",
-        "prefix_cleanup",
+        mutant,
         "--budget",
         "200",
         "--out",
@@ -158,16 +167,16 @@ def test_explore_finds_mutant_and_replay_reproduces(capsys: pytest.CaptureFixtur
     )
     assert code == 1, err
     payload = last_json(out)
-    assert payload["mutant"] == "prefix_cleanup"
+    assert payload["mutant"] == mutant
     assert payload["violations"], "the mutant was not detected"
     assert payload["first_violation_after"] >= 1
     found = payload["violations"][0]
     artifact_path = Path(found["artifact"])
     assert artifact_path.is_file() and artifact_path.parent == out_dir
-    assert {v["invariant"] for v in found["violations"]} >= {"exact-key-ownership"}
+    assert {v["invariant"] for v in found["violations"]} >= {invariant}
     artifact = json.loads(artifact_path.read_text())
-    assert artifact["scenario"] == "similar_ids"
-    assert artifact["mutant"] == "prefix_cleanup"
+    assert artifact["scenario"] == scenario
+    assert artifact["mutant"] == mutant
     assert artifact["seed"] == found["seed"]
     assert artifact["choices"] and artifact["events"]
 
@@ -177,7 +186,7 @@ def test_explore_finds_mutant_and_replay_reproduces(capsys: pytest.CaptureFixtur
     assert replayed["reproduced"] is True
     assert replayed["trace_digest"] == artifact["trace_digest"]
     assert replayed["expected_trace_digest"] == artifact["trace_digest"]
-    assert replayed["scenario"] == "similar_ids"
+    assert replayed["scenario"] == scenario
     assert replayed["violations"] == artifact["violations"]
     assert replayed["first_difference"] is None
 

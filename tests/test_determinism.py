@@ -34,8 +34,9 @@ def digest_in_subprocess(args: list[str], hash_seed: str) -> str:
         ["id_reuse_after_cancel", "--seed", "3", "--store", "posix"],
         ["abort_with_terminal_queued", "--seed", "5", "--strategy", "ordered"],
         ["similar_ids", "--seed", "1", "--mutant", "prefix_cleanup"],
+        ["pipeline_concurrent_chaos", "--seed", "2", "--store", "posix"],
     ],
-    ids=["random", "posix", "ordered", "mutant"],
+    ids=["random", "posix", "ordered", "mutant", "pipeline"],
 )
 def test_trace_digest_is_the_same_across_processes_and_hash_seeds(args: list[str]) -> None:
     assert digest_in_subprocess(args, "1") == digest_in_subprocess(args, "12345")
