@@ -44,6 +44,7 @@ from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta
 log = logging.getLogger(__name__)
 
 ABORTED = "aborted"
+SHUT_DOWN = "the engine shut down"
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,11 @@ class Orchestrator:
             tasks.start_soon(self._release_loop, name="orch.release")
 
     def shutdown(self) -> None:
-        """Stop everything; requests still in flight are dropped (their sweep included)."""
+        """Stop everything. Requests still in flight end with an error terminal; what they hold
+        in the store goes when each stage's connector closes."""
+        for state in self.requests.values():
+            if not state.closed:
+                self._close(state, self._terminal(state, SHUT_DOWN))
         self._stopped = True
         self._release_needed.notify()
         for stage in self.stages.values():
@@ -216,7 +221,7 @@ class Orchestrator:
         if out.error is not None:
             if out.error != ABORTED:
                 self._fail(state, f"stage {self.stages[stage_id].spec.name}: {out.error}")
-        elif not state.closed:
+        elif not state.closed and state.error is None:
             self._route(state, stage_id, out)
         self._maybe_complete(state)
 

@@ -10,13 +10,15 @@ end with exactly one terminal; word timestamps must cover the whole audio.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from invariants.observed import Stream
 from omnisim.faults import Fault, FaultPlan
-from omnisim.registry import scenario
+from omnisim.registry import ScenarioBody, scenario
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import load_pipeline
@@ -62,6 +64,12 @@ def pipeline_world(store_kind: str) -> World:
     world.components["engine"] = engine
     world.services["engine"] = (engine.run, engine.shutdown)
     return world
+
+
+def pipeline_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], ScenarioBody]:
+    """Register a scenario on the whole pipeline. A run is long (every model step is simulated),
+    so it gets half a command's schedule budget and a 60 s horizon."""
+    return scenario(name, build=pipeline_world, horizon_s=60.0, budget_share=0.5, **kwargs)
 
 
 def engine_of(world: World) -> Orchestrator:
@@ -167,14 +175,11 @@ async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None
     await engine.abort(client.request_id)
 
 
-@scenario(
+@pipeline_scenario(
     "pipeline_requests",
     summary="three concurrent text+audio requests through Thinker → Talker → Code2Wav: one inside the initial "
     "chunk, one with a remainder, one on the 4+25 boundary (empty terminal); each gets its exact text and audio",
     issue="#5413, #5383, spec §1.5–1.6, §4.1–4.2",
-    build=pipeline_world,
-    horizon_s=60.0,
-    budget_share=0.5,
 )
 async def pipeline_requests(world: World) -> None:
     clients = [
@@ -185,14 +190,11 @@ async def pipeline_requests(world: World) -> None:
     await together(*((c.name, c.run) for c in clients))
 
 
-@scenario(
+@pipeline_scenario(
     "pipeline_word_timestamps",
     summary="streaming requests with word timestamps (one resampled to 16 kHz) next to a plain one: CUMULATIVE "
     "stage outputs trimmed to each sample once before resampling, and the aligner gets the complete waveform",
     issue="#7544",
-    build=pipeline_world,
-    horizon_s=60.0,
-    budget_share=0.5,
 )
 async def pipeline_word_timestamps(world: World) -> None:
     # On the chunk boundary: the last update brings no samples, so the trim has nothing to send.
@@ -203,14 +205,11 @@ async def pipeline_word_timestamps(world: World) -> None:
     await together(*((c.name, c.run) for c in (timed, plain, resampled)))
 
 
-@scenario(
+@pipeline_scenario(
     "pipeline_abort_before_output",
     summary="a client aborts right after submitting, before any engine output: its stream still ends with exactly "
     "one terminal, built for the final stage (an audio-only client included)",
     issue="#7006",
-    build=pipeline_world,
-    horizon_s=60.0,
-    budget_share=0.5,
 )
 async def pipeline_abort_before_output(world: World) -> None:
     audio_only = Client(world, "audio_only", REMAINDER, "A", modalities=("audio",))
@@ -226,14 +225,11 @@ async def pipeline_abort_before_output(world: World) -> None:
     )
 
 
-@scenario(
+@pipeline_scenario(
     "pipeline_concurrent_chaos",
     summary="concurrent requests while clients abort at random points and an id is reused at once: every "
     "client gets one terminal, finished ones their exact answer, and nothing is left behind",
     issue="#8082, #6670, #7006, spec §2.11",
-    build=pipeline_world,
-    horizon_s=60.0,
-    budget_share=0.5,
 )
 async def pipeline_concurrent_chaos(world: World) -> None:
     steady = Client(world, "steady", REMAINDER, "S")
@@ -255,15 +251,12 @@ async def pipeline_concurrent_chaos(world: World) -> None:
     )
 
 
-@scenario(
+@pipeline_scenario(
     "pipeline_send_failure",
     summary="the Thinker's put of one chunk of a request fails: the orchestrator reads the sender's give-up and "
     "fails that request with an error terminal at once (no wait for the input deadline); its neighbour finishes",
     issue="#4855 R1.2",
-    build=pipeline_world,
     faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_0_3"})], seed),
-    horizon_s=60.0,
-    budget_share=0.5,
 )
 async def pipeline_send_failure(world: World) -> None:
     failing = Client(world, "failing", REMAINDER, "F")

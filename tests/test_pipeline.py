@@ -232,3 +232,29 @@ def test_cli_writes_a_playable_wav(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "residue: none" in printed and "hello" in printed
     with wave.open(str(out)) as w:
         assert w.getframerate() == SAMPLE_RATE and w.getnchannels() == 1 and w.getnframes() > 0
+
+
+def test_shutdown_ends_requests_in_flight_with_an_error_terminal() -> None:
+    store = PosixStore()
+    engine = build_engine(config(True), MODELS, store)
+    outputs: list[ClientOutput] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+
+            async def client() -> None:
+                outputs.extend(await collect(engine, "a long answer that will not finish " * 5, request_id="cut"))
+
+            nursery.start_soon(client)
+            while not any(s.finished_stages or s.stage_requests for s in engine.requests.values()):
+                await trio.sleep(0)
+            await trio.sleep(0.01)
+            engine.shutdown()
+
+    try:
+        trio.run(main)
+        assert outputs[-1].finished and outputs[-1].error == "the engine shut down"
+        assert store.segments() == [] and store.lock_files() == []
+    finally:
+        store.sweep()
