@@ -27,7 +27,7 @@ from runtime.connectors.stores import Store
 from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import current_kernel
 from runtime.models.aligner import ForcedAligner
-from runtime.models.code2wav import Code2Wav, decode_chunks
+from runtime.models.code2wav import Code2Wav, chunked_decode, decode_chunks, unflatten_codes
 from runtime.models.talker import Talker, TalkerState
 from runtime.models.thinker import Thinker, ThinkerState, ThinkerSteps
 from runtime.processors.talker2code2wav import (
@@ -183,8 +183,17 @@ class TalkerWorker:
 
 
 def code2wav_runner(model: Code2Wav, meter: ComputeMeter) -> Callable[[list[ScheduledChunk]], list[torch.Tensor]]:
+    """Streamed chunks go through the tail-compensated streaming decode; a forwarded whole input
+    through the non-streaming chunked decode (spec §6)."""
+
+    def decode_whole(chunk: ScheduledChunk) -> torch.Tensor:
+        codes = unflatten_codes(torch.tensor(chunk.prompt_token_ids), [len(chunk.prompt_token_ids)])
+        return chunked_decode(model, codes.to(model.device))[0]
+
     def run_model(chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
-        return meter.timed(decode_chunks, model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
+        streamed = [(c.prompt_token_ids, c.left_context_size) for c in chunks if not c.whole]
+        batch = iter(meter.timed(decode_chunks, model, streamed) if streamed else [])  # one forward pass
+        return [meter.timed(decode_whole, c) if c.whole else next(batch) for c in chunks]
 
     return run_model
 

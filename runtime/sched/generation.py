@@ -37,6 +37,8 @@ class ScheduledChunk:
     request: Request
     prompt_token_ids: list[int]
     left_context_size: int
+    #: The request's whole input, forwarded at once (``async_chunk`` off): decode it offline.
+    whole: bool = False
 
 
 #: The model runner: scheduled chunks in, one output payload per chunk out (same order).
@@ -140,7 +142,12 @@ class GenerationScheduler(StageScheduler):
             ):
                 meta = (request.additional_information or {}).get("meta") or {}
                 scheduled.append(
-                    ScheduledChunk(request, list(request.prompt_token_ids), int(meta.get("left_context_size", 0)))
+                    ScheduledChunk(
+                        request,
+                        list(request.prompt_token_ids),
+                        int(meta.get("left_context_size", 0)),
+                        whole=rid in self.forwarded,
+                    )
                 )
                 request.num_computed_tokens = len(request.prompt_token_ids)  # one-shot prefill
             elif self._input_complete(rid):
