@@ -63,6 +63,7 @@ async def generate(
     outputs = parse_modalities(modalities)
     if word_timestamps and OutputType.AUDIO not in outputs:
         raise ValueError("word_timestamps needs the audio modality")
+    # The engine always streams; ``stream=False`` only changes what this client is handed.
     params = serving.request_params(engine.default_sampling_params, stream=True, word_timestamps=word_timestamps)
     rid = request_id if request_id is not None else f"req-{next(_request_ids)}"
     results = await engine.submit(
@@ -71,19 +72,24 @@ async def generate(
     final_stages = {s.stage_id for s in engine.config.stages if s.final_output in outputs}
     trim = EmittedSamplesTrim() if params[-1].output_kind is OutputKind.CUMULATIVE else None
     pending: list[ClientOutput] = []
-    while True:
-        item = await results.get()
-        for out in _client_outputs(item, final_stages, trim, sample_rate):
-            if stream:
-                yield out
-            elif out.finished:
-                for merged in _merged(pending):
-                    yield merged
-                yield out
-            else:
-                pending.append(out)
-        if item.request_finished:
-            return  # the outer "finished" ends the loop, whether or not its output was accepted
+    ended = False
+    try:
+        while not ended:
+            item = await results.get()
+            # The outer "finished" ends the loop, whether or not its output was accepted.
+            ended = item.request_finished
+            for out in _client_outputs(item, final_stages, trim, sample_rate):
+                if stream:
+                    yield out
+                elif out.finished:
+                    for merged in _merged(pending):
+                        yield merged
+                    yield out
+                else:
+                    pending.append(out)
+    finally:
+        if not ended:
+            await engine.abort(rid)  # the client went away before the end: a disconnect is an abort
 
 
 def _merged(outputs: list[ClientOutput]) -> list[ClientOutput]:

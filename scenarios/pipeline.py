@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,8 @@ class Client:
     modalities: tuple[str, ...] = ("text", "audio")
     word_timestamps: bool = False
     sample_rate: int = SAMPLE_RATE
+    #: Stop listening after this many outputs (a disconnect: ``generate`` is closed early).
+    leave_after: int | None = None
     outputs: list[ClientOutput] = field(default_factory=list)
     stream: Stream = field(init=False)
 
@@ -96,18 +99,23 @@ class Client:
         self.stream.complete_required = False  # checked by content below, not by frame counts
 
     async def run(self) -> None:
-        async for out in generate(
+        answer = generate(
             engine_of(self.world),
             self.text,
             self.modalities,
             word_timestamps=self.word_timestamps,
             request_id=self.request_id,
             sample_rate=self.sample_rate,
-        ):
-            self.outputs.append(out)
-            self.stream.chunks.append((0, out.finished))
-            if out.finished:
-                self.stream.outcome = {None: "finished", "aborted": "aborted"}.get(out.error, "failed")
+        )
+        async with aclosing(answer):
+            async for out in answer:
+                self.outputs.append(out)
+                self.stream.chunks.append((0, out.finished))
+                if out.finished:
+                    self.stream.outcome = {None: "finished", "aborted": "aborted"}.get(out.error, "failed")
+                elif len(self.outputs) == self.leave_after:
+                    self.stream.outcome = "left"
+                    return
         self.check()
 
     def check(self) -> None:
@@ -227,8 +235,8 @@ async def pipeline_abort_before_output(world: World) -> None:
 
 @pipeline_scenario(
     "pipeline_concurrent_chaos",
-    summary="concurrent requests while clients abort at random points and an id is reused at once: every "
-    "client gets one terminal, finished ones their exact answer, and nothing is left behind",
+    summary="concurrent requests while clients abort at random points, one stops listening, and an id is reused "
+    "at once: every client gets one terminal, finished ones their exact answer, and nothing is left behind",
     issue="#8082, #6670, #7006, spec §2.11",
 )
 async def pipeline_concurrent_chaos(world: World) -> None:
@@ -236,6 +244,8 @@ async def pipeline_concurrent_chaos(world: World) -> None:
     flaky = Client(world, "flaky", BOUNDARY, "F")
     reused = Client(world, "reused", SHORT, "R")
     again = Client(world, "reused.again", REMAINDER, "R")
+    leaver = Client(world, "leaver", REMAINDER, "L", leave_after=3)
+    leaver.stream.allowed_outcomes = frozenset({"left", "finished"})
     for client in (flaky, reused):
         client.stream.allowed_outcomes = frozenset({"aborted", "finished"})
 
@@ -248,6 +258,7 @@ async def pipeline_concurrent_chaos(world: World) -> None:
         ("F", flaky.run),
         ("F.abort", lambda: abort_once_submitted(flaky, after_points=8)),
         ("R", reuse),
+        ("L", leaver.run),
     )
 
 

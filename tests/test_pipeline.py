@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import wave
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,18 @@ def test_shutdown_ends_requests_in_flight_with_an_error_terminal() -> None:
         assert store.segments() == [] and store.lock_files() == []
     finally:
         store.sweep()
+
+
+def test_a_client_that_stops_listening_aborts_its_request() -> None:
+    got: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        async with aclosing(generate(engine, "a long answer " * 10, request_id="gone")) as stream:
+            async for out in stream:
+                got.append(out)
+                if out.kind is OutputType.AUDIO:
+                    break  # the client disconnects after its first audio
+        assert engine.requests["gone"].closed  # the abort ran at once and ended it for the client
+
+    assert with_engine(body) == {}  # and every stage let go of it
+    assert got and not got[-1].finished
