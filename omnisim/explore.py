@@ -16,12 +16,13 @@ from omnisim.registry import Scenario, applied, get_mutant, get_scenario
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
 from omnisim.strategies.ordered import OrderedStrategy
+from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
 from omnisim.world import STORES, UsageError
 from runtime.kernel import use_kernel
 
-STRATEGIES = ("random", "ordered")
+STRATEGIES = ("random", "pct", "ordered")
 ARTIFACT_VERSION = 1
 
 
@@ -63,11 +64,17 @@ class RunResult:
         }
 
 
-def make_strategy(name: str, seed: int, scn: Scenario, constraints: list[str] | None = None) -> Strategy:
+def make_strategy(
+    name: str, seed: int, scn: Scenario, constraints: list[str] | None = None, *, decisions_hint: int | None = None
+) -> Strategy:
+    """The strategy ``name`` for one run. ``decisions_hint``: how many choices a run of this
+    scenario made before (pct draws its change points among that many)."""
+    if name in ("random", "pct") and constraints:
+        raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
     if name == "random":
-        if constraints:
-            raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
         return RandomStrategy(seed)
+    if name == "pct":
+        return PctStrategy(seed, max_steps=decisions_hint or DEFAULT_MAX_STEPS)
     if name == "ordered":
         chosen = list(constraints) if constraints else list(scn.constraints)
         if not chosen:
@@ -185,13 +192,19 @@ def explore(
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
+        decisions: int | None = None
         for i in range(budget):
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
             run_seed = seed + i
             res = await run_once_async(
-                scn, store, make_strategy(strategy, run_seed, scn, constraints), run_seed, mutant
+                scn,
+                store,
+                make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions),
+                run_seed,
+                mutant,
             )
+            decisions = len(res.choices) or decisions
             result.schedules += 1
             if res.unsatisfied:
                 result.unsatisfied_runs += 1

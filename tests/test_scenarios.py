@@ -63,3 +63,10 @@ def test_mutant_is_detected(mutant: str) -> None:
                 return
             tried.append(f"{scenario}/{strategy}: {res.schedules} schedules")
     pytest.fail(f"{mutant} was not detected ({'; '.join(tried)})")
+
+
+def test_pct_finds_a_deep_race() -> None:
+    """mapping_outside_lock needs a receiver cleanup to land between a poll's lock sections: the
+    random walk took 271 schedules to find it (``omnisim mutants``), PCT's change points 11."""
+    pct = explore("stale_receiver_entry", strategy="pct", budget=60, mutant="mapping_outside_lock")
+    assert pct.violations
