@@ -9,12 +9,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import hypothesis
 import trio
 
 from invariants import Violation, check
 from omnisim.registry import Scenario, applied, get_mutant, get_scenario
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
+from omnisim.strategies.hypothesis import SCHEDULES, HypothesisStrategy
 from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
 from omnisim.strategies.random import RandomStrategy
@@ -22,7 +24,7 @@ from omnisim.strategies.replay import ReplayStrategy
 from omnisim.world import STORES, UsageError
 from runtime.kernel import use_kernel
 
-STRATEGIES = ("random", "pct", "ordered")
+STRATEGIES = ("random", "pct", "ordered", "hypothesis")
 ARTIFACT_VERSION = 1
 
 
@@ -69,12 +71,14 @@ def make_strategy(
 ) -> Strategy:
     """The strategy ``name`` for one run. ``decisions_hint``: how many choices a run of this
     scenario made before (pct draws its change points among that many)."""
-    if name in ("random", "pct") and constraints:
+    if name in ("random", "pct", "hypothesis") and constraints:
         raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
     if name == "random":
         return RandomStrategy(seed)
     if name == "pct":
         return PctStrategy(seed, max_steps=decisions_hint or DEFAULT_MAX_STEPS)
+    if name == "hypothesis":
+        raise UsageError("the hypothesis strategy draws its choices inside a search: use explore, not run")
     if name == "ordered":
         chosen = list(constraints) if constraints else list(scn.constraints)
         if not chosen:
@@ -187,6 +191,11 @@ def explore(
     and save it as an artifact in ``out_dir``."""
     scn = get_scenario(scenario)
     m = get_mutant(mutant)
+    if strategy == "hypothesis":
+        if constraints:
+            raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
+        with applied(m):
+            return _explore_with_hypothesis(scn, budget, time_limit, seed, store, mutant, out_dir, plugins or [])
     result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0)
     start = time.perf_counter()
 
@@ -222,6 +231,63 @@ def explore(
         trio.run(loop)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _explore_with_hypothesis(
+    scn: Scenario,
+    budget: int,
+    time_limit: float | None,
+    seed: int,
+    store: str,
+    mutant: str | None,
+    out_dir: str | None,
+    plugins: list[str],
+) -> ExploreResult:
+    """Let Hypothesis generate up to ``budget`` schedules (as choice sequences) and, on a
+    violation, shrink the schedule; the reported and saved run is the shrunk one."""
+    result = ExploreResult(scn.name, "hypothesis", store, mutant, 0, 0.0)
+    failing: list[tuple[RunResult, list[int]]] = []
+    start = time.perf_counter()
+
+    @hypothesis.settings(
+        max_examples=budget,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+    )
+    @hypothesis.seed(seed)
+    @hypothesis.given(SCHEDULES)
+    def schedule_holds(choices: list[int]) -> None:
+        if not failing and time_limit is not None and time.perf_counter() - start > time_limit:
+            hypothesis.reject()
+        res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant)
+        result.schedules += 1
+        if res.violations:
+            result.first_violation_after = result.first_violation_after or result.schedules
+            failing.append((res, choices))  # Hypothesis ends on the shrunk example
+            raise ScheduleFailed
+
+    try:
+        schedule_holds()
+    except ScheduleFailed:
+        shrunk, steered = failing[-1]
+        entry: dict[str, Any] = {
+            "seed": seed,
+            "violations": [v.as_dict() for v in shrunk.violations],
+            # Decisions the drawn schedule steered away from the first runnable task.
+            "steered_choices": sum(1 for c in steered if c),
+            "steered_choices_before_shrinking": sum(1 for c in failing[0][1] if c),
+        }
+        if out_dir is not None:
+            entry["artifact"] = result.artifact = save_artifact(shrunk, out_dir, plugins)
+        result.violations.append(entry)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class ScheduleFailed(AssertionError):
+    """A schedule broke an invariant (raised to Hypothesis, which then shrinks it)."""
 
 
 def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:

@@ -354,3 +354,20 @@ def test_module_entry_exit_status_for_usage_error() -> None:
     )
     assert proc.returncode == 2
     assert "omnisim: error: unknown scenario 'no_such_scenario'" in proc.stderr
+
+
+def test_hypothesis_shrinks_a_failing_schedule_and_it_replays(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["id_reuse_after_cancel", "--strategy", "hypothesis", "--mutant", "accept_while_draining"]
+    code, out, err = omnisim(capsys, "explore", *args, "--budget", "300", "--out", str(tmp_path), "--json")
+    assert code == 1, err
+    (found,) = last_json(out)["violations"]
+    assert found["steered_choices"] <= found["steered_choices_before_shrinking"]
+    code, out, err = omnisim(capsys, "replay", found["artifact"], "--json")
+    assert code == 1 and last_json(out)["reproduced"] is True
+
+
+def test_hypothesis_is_for_explore_only(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = omnisim(capsys, "run", "similar_ids", "--strategy", "hypothesis")
+    assert code == 2 and "use explore" in err
