@@ -180,8 +180,16 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         assert m is not None
         for scenario in m.scenarios:
             scn = registry.get_scenario(scenario)
-            for strategy in ("random", "ordered") if scn.constraints else ("random",):
-                res = ex.explore(scenario, strategy=strategy, budget=args.budget, seed=args.seed, mutant=name)
+            wanted = args.strategy or ["random", "ordered"]
+            for strategy in [st for st in wanted if st != "ordered" or scn.constraints]:
+                res = ex.explore(
+                    scenario,
+                    strategy=strategy,
+                    budget=args.budget,
+                    time_limit=args.time_limit,
+                    seed=args.seed,
+                    mutant=name,
+                )
                 s = res.summary()
                 rows.append(
                     {
@@ -201,7 +209,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                     if r["detected"]
                     else f"NOT found in {r['schedules']} schedules"
                 )
-                print(f"{name:<34} {scenario:<28} {strategy:<8} {verdict}", flush=True)
+                print(f"{name:<34} {scenario:<28} {strategy:<10} {verdict}", flush=True)
     undetected = sorted({r["mutant"] for r in rows} - {r["mutant"] for r in rows if r["detected"]})
     path = write_mutant_report(rows, args.out)
     _emit(
@@ -294,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp, scenario=False)
     sp.add_argument("--budget", type=int, default=2000)
     sp.add_argument("--mutant", action="append", help="only these mutants")
+    sp.add_argument(
+        "--strategy",
+        action="append",
+        choices=ex.STRATEGIES,
+        help="only these strategies (repeatable; default: random, and ordered where a scenario declares an order)",
+    )
+    sp.add_argument("--time-limit", type=float, help="seconds per mutant, scenario and strategy")
     sp.add_argument("--out", default=REPORT_DIR)
     sp.set_defaults(func=cmd_mutants)
 

@@ -371,3 +371,11 @@ def test_hypothesis_shrinks_a_failing_schedule_and_it_replays(
 def test_hypothesis_is_for_explore_only(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = omnisim(capsys, "run", "similar_ids", "--strategy", "hypothesis")
     assert code == 2 and "use explore" in err
+
+
+def test_mutants_table_by_chosen_strategies(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["mutants", "--mutant", "prefix_cleanup", "--strategy", "pct", "--strategy", "random"]
+    code, out, err = omnisim(capsys, *args, "--budget", "50", "--time-limit", "30", "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    rows = last_json(out)["rows"]
+    assert [r["strategy"] for r in rows] == ["pct", "random"] and all(r["detected"] for r in rows)
