@@ -145,6 +145,11 @@ class Orchestrator:
                 )
             tasks.start_soon(self._release_loop, name="orch.release")
 
+    async def drain(self) -> None:
+        """Wait until every request ended and its release sweep ran."""
+        while self.requests:
+            await self._released.wait(IDLE_WAIT_S)
+
     def shutdown(self) -> None:
         """Stop everything. Requests still in flight end with an error terminal; what they hold
         in the store goes when each stage's connector closes."""
@@ -226,14 +231,13 @@ class Orchestrator:
         self._maybe_complete(state)
 
     def _route(self, state: RequestState, stage_id: int, out: StageOutput) -> None:
-        model = self.stages[stage_id].spec.model
         if isinstance(out.data, ThinkerDelta):
             if OutputType.TEXT in state.outputs and (out.data.text or out.finished):
                 self._publish(state, stage_id, OutputType.TEXT, out.data.text, out.finished)
             self._forward(state, stage_id, out, out.data.full_payload)
         elif isinstance(out.data, TalkerFrame):
             self._forward(state, stage_id, out, out.data.full_payload)
-        elif model == "code2wav":
+        else:  # Code2Wav: decoded samples, or None when it finished without a model pass
             audio = state.audio.update(out.data) if out.data is not None else state.audio.finish()
             if audio is not None or out.finished:
                 self._publish(state, stage_id, OutputType.AUDIO, audio, out.finished)

@@ -75,8 +75,7 @@ async def run_request(
             if out.finished:
                 error = out.error
         total = k.now() - start
-        while engine.requests:  # the release sweep runs after the terminal
-            await k.sleep(0.001)
+        await engine.drain()  # the release sweep runs after the terminal
         residue = {**engine.residue(), "segments": store.segments(), "lock_files": store.lock_files()}
         engine.shutdown()
     return PipelineResult(

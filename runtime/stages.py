@@ -15,7 +15,7 @@ into its own process without the others noticing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -99,6 +99,8 @@ class ThinkerWorker:
         self.collect = collect
         self.states: dict[str, ThinkerState] = {}
         self.collected: dict[str, ThinkerSteps] = {}
+        #: The TTS special embeddings depend on the weights alone: computed once.
+        self.tts_embeds = model.tts_embeds()
 
     def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
         state = self.states[request.request_id] = self.model.init_state(payload["text"])
@@ -118,14 +120,14 @@ class ThinkerWorker:
         request.output_token_ids.append(out.token_id)
         multimodal_output: dict[str, Any] = {"hidden_states": {"layers": out.layers}}
         if prefill:
-            multimodal_output["embed"] = self.model.tts_embeds()
+            multimodal_output["embed"] = self.tts_embeds
         full_payload = None
         steps = self.collected.get(rid)
         if steps is not None:
             steps.append(out)
             if out.finished:
                 del self.collected[rid]
-                full_payload = thinker2talker_full_payload(steps.output(state, self.model.tts_embeds()))
+                full_payload = thinker2talker_full_payload(steps.output(state, self.tts_embeds))
         return ARStep(ThinkerDelta(out.text_delta, full_payload), multimodal_output, out.finished)
 
     def release(self, request_id: str) -> None:
@@ -205,8 +207,8 @@ class Stage:
     spec: StageSpec
     adapter: ChunkTransferAdapter
     scheduler: StageScheduler
-    #: Model-side per-request state, for residue reports.
-    workers: list[Any] = field(default_factory=list)
+    #: The AR stages' model side (its per-request state counts as residue); None for Code2Wav.
+    worker: ThinkerWorker | TalkerWorker | None = None
 
     @property
     def stage_id(self) -> int:
@@ -219,8 +221,8 @@ class Stage:
             "connector": self.adapter.connector.residue(),
             "scheduler": self.scheduler.residue(),
         }
-        for worker in self.workers:
-            parts["worker"] = worker.residue()
+        if self.worker is not None:
+            parts["worker"] = self.worker.residue()
         return {f"{part}.{name}": items for part, held in parts.items() for name, items in held.items() if items}
 
 
@@ -262,17 +264,16 @@ def build_stages(
             worker_type="ar" if spec.kind is StageKind.LLM_AR else "generation",
             name=spec.name,
         )
-        workers: list[Any] = []
+        worker: ThinkerWorker | TalkerWorker | None = None
         scheduler: StageScheduler
         if spec.model == "code2wav":
             scheduler = GenerationScheduler(adapter, code2wav_runner(models.code2wav, meter), input_wait_timeout_s)
         else:
-            worker: ThinkerWorker | TalkerWorker = (
+            worker = (
                 ThinkerWorker(models.thinker, meter, collect=not sends)
                 if spec.model == "thinker"
                 else TalkerWorker(models.talker, meter, collect=not sends)
             )
-            workers.append(worker)
             scheduler = ARScheduler(adapter, worker, input_wait_timeout_s)
-        stages[sid] = Stage(spec, adapter, scheduler, workers)
+        stages[sid] = Stage(spec, adapter, scheduler, worker)
     return stages

@@ -13,3 +13,18 @@ from scenarios import (  # noqa: F401
     race_6670,
     race_8082,
 )
+
+#: The seed's race table (#8082 a–i) and #6670 (a, b), by the names the issues use.
+RACE_TABLE = (
+    "abort_during_put",
+    "id_reuse_after_cancel",
+    "similar_ids",
+    "terminal_success_vs_failure",
+    "stale_receiver_entry",
+    "repeated_receiver_cleanups",
+    "idle_reap",
+    "unread_head_rotation",
+    "deserialize_failure",
+    "abort_with_terminal_queued",
+    "parked_sender_terminal",
+)

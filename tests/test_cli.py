@@ -20,21 +20,9 @@ from typing import Any
 import pytest
 
 from omnisim import cli, registry
+from scenarios import RACE_TABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-SCENARIOS_8082_6670 = (
-    "abort_during_put",
-    "id_reuse_after_cancel",
-    "similar_ids",
-    "terminal_success_vs_failure",
-    "stale_receiver_entry",
-    "repeated_receiver_cleanups",
-    "idle_reap",
-    "unread_head_rotation",
-    "deserialize_failure",
-    "abort_with_terminal_queued",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +52,11 @@ def test_list_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = omnisim(capsys, "list", "scenarios")
     assert code == 0, err
     listed = {line.split()[0] for line in out.splitlines() if line.strip()}
-    assert set(SCENARIOS_8082_6670) <= listed
+    assert set(RACE_TABLE) <= listed
 
     code, out, _ = omnisim(capsys, "list", "scenarios", "--json")
     assert code == 0
-    assert set(SCENARIOS_8082_6670) <= set(last_json(out)["scenarios"])
+    assert set(RACE_TABLE) <= set(last_json(out)["scenarios"])
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,7 @@ def with_engine(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.run)
             await body(engine)
-            while engine.requests:
-                await trio.sleep(0.001)
+            await engine.drain()
             residue = {**engine.residue(), "segments": store.segments(), "lock_files": store.lock_files()}
             engine.shutdown()
         return {name: items for name, items in residue.items() if items}

@@ -8,30 +8,17 @@ import pytest
 
 from omnisim import registry
 from omnisim.explore import explore
+from scenarios import RACE_TABLE
 
 registry.load()
 logging.getLogger("runtime").setLevel(logging.CRITICAL)
 
-#: The seed's race table (#8082 a–i) and #6670 (a, b), as the issue names them.
-REQUIRED_SCENARIOS = {
-    "abort_during_put",
-    "id_reuse_after_cancel",
-    "similar_ids",
-    "terminal_success_vs_failure",
-    "stale_receiver_entry",
-    "repeated_receiver_cleanups",
-    "idle_reap",
-    "unread_head_rotation",
-    "deserialize_failure",
-    "abort_with_terminal_queued",
-    "parked_sender_terminal",
-}
 CLEAN_BUDGET = {"memory": 200, "posix": 40}
 MUTANT_BUDGET = 2000
 
 
 def test_the_race_table_is_registered() -> None:
-    assert set(registry.SCENARIOS) >= REQUIRED_SCENARIOS
+    assert set(registry.SCENARIOS) >= set(RACE_TABLE)
     assert len(registry.MUTANTS) >= 15
 
 
@@ -44,7 +31,7 @@ def test_scenario_is_clean_under_random_schedules(scenario: str, store: str) -> 
     assert res.violations == []
 
 
-@pytest.mark.parametrize("scenario", sorted(n for n in REQUIRED_SCENARIOS if registry.SCENARIOS[n].constraints))
+@pytest.mark.parametrize("scenario", sorted(n for n in RACE_TABLE if registry.SCENARIOS[n].constraints))
 def test_scenario_is_clean_and_its_ordering_is_reachable(scenario: str) -> None:
     res = explore(scenario, strategy="ordered", budget=40, stop_on_violation=False)
     assert res.violations == []
