@@ -69,3 +69,39 @@ def no_stale_commit(world: ObservedWorld) -> list[str]:
                     f"{ev.attrs['entry']} ({now} is live): a cleaned-up request was resurrected"
                 )
     return out
+
+
+@invariant(
+    "no-stale-consume",
+    "a get that outlived its registration never consumes a chunk written after that registration ended "
+    "(the chunk of a later generation of the same id)",
+)
+def no_stale_consume(world: ObservedWorld) -> list[str]:
+    out = []
+    live: dict[tuple[object, str], object] = {}  # (stage, request) -> its live registration
+    ended: dict[tuple[object, str, object], int] = {}  # (stage, request, entry) -> event index it ended at
+    written: dict[str, int] = {}  # key -> event index its current segment was created at
+    polling: dict[str, tuple[object, str, object, str]] = {}  # task -> the poll it is running
+    for ev in world.trace:
+        a = ev.attrs
+        if ev.name == "adapter.register":
+            live[(a["stage"], str(a["req"]))] = a["entry"]
+        elif ev.name == "adapter.unregister":
+            entry = live.pop((a["stage"], str(a["req"])), None)
+            if entry is not None:
+                ended[(a["stage"], str(a["req"]), entry)] = ev.index
+        elif ev.name == "shm.put.created":
+            written[str(a["key"])] = ev.index
+        elif ev.name == "adapter.poll":
+            polling[ev.task] = (a["stage"], str(a["req"]), a["entry"], str(a["key"]))
+        elif ev.name == "shm.get.consumed" and ev.task in polling:
+            stage, req, entry, key = polling.pop(ev.task)
+            end = ended.get((stage, req, entry))
+            created = written.get(key)
+            if end is not None and created is not None and created > end:
+                out.append(
+                    f"stage {stage}'s get for registration {entry} of {req} (ended at event {end}) consumed "
+                    f"{key}, written at event {created} after it ended: a later generation of the id lost "
+                    "that chunk"
+                )
+    return out

@@ -25,8 +25,8 @@ import torch
 import trio
 
 from omnisim import registry
+from omnisim.base import UsageError
 from omnisim.explore import explore
-from omnisim.world import UsageError
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
 
@@ -181,12 +181,24 @@ def bench_connector(labels: list[str], scale: float) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_upstream(labels: list[str], scale: float) -> list[dict[str, Any]] | None:
-    script = next((p for p in UPSTREAM_SCRIPT_CANDIDATES if os.path.exists(p)), None)
-    if script is None:
-        print("upstream: shared/bench/upstream_shm.py not found; skipped")
-        return None
-    out = os.path.join("reports", "latest", "upstream_shm.json")
+def upstream_script(given: str | None) -> str:
+    """The script that times upstream's connector: ``--upstream-script``, or the copy in the
+    omnisim reference material next to (or inside) this checkout. Missing: a usage error that
+    says exactly what to run."""
+    candidates = [given] if given else list(UPSTREAM_SCRIPT_CANDIDATES)
+    found = next((p for p in candidates if os.path.isfile(p)), None)
+    if found is None:
+        raise UsageError(
+            f"--upstream needs the upstream timing script (looked at {', '.join(candidates)}); it ships with the "
+            "omnisim reference material as shared/bench/upstream_shm.py. Run `python PATH/upstream_shm.py --fetch` "
+            "once (it downloads the vllm-omni 0.30.0 wheel, no dependencies), then "
+            "`omnisim bench connector --upstream --upstream-script PATH/upstream_shm.py`"
+        )
+    return found
+
+
+def bench_upstream(script: str, labels: list[str], scale: float) -> list[dict[str, Any]] | None:
+    out = os.path.join("runs", "bench", "upstream_shm.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     proc = subprocess.run(
         [sys.executable, script, "--sizes", ",".join(labels), "--reps-scale", str(scale), "--json", out],
@@ -212,16 +224,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.what in ("pipeline", "all"):
         print("== one ~10 s utterance through the real pipeline (real kernel, /dev/shm, CPU)")
         payload["pipeline"] = bench_pipeline(args.runs)
+    labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in labels if s not in SIZES]
+    if unknown:
+        raise UsageError(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
+    script = upstream_script(args.upstream_script) if args.upstream and args.what in ("connector", "all") else None
     if args.what in ("connector", "all"):
-        labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
-        unknown = [s for s in labels if s not in SIZES]
-        if unknown:
-            raise UsageError(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
         print("== ShmConnector put+get, POSIX store, in process (median)")
         payload["connector"] = bench_connector(labels, args.reps_scale)
         if args.upstream:
             print("== upstream vLLM-Omni SharedMemoryConnector, same payloads")
-            upstream = bench_upstream(labels, args.reps_scale)
+            assert script is not None
+            upstream = bench_upstream(script, labels, args.reps_scale)
             if upstream:
                 payload["upstream"] = upstream
                 by_size = {r["size"]: r for r in upstream}

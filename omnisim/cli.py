@@ -1,29 +1,341 @@
-"""The ``omnisim`` command line. Exit status: 0 all invariants held, 1 a violation was found,
-2 a usage or setup error. With ``--json`` the last line printed is one JSON object."""
+"""The ``omnisim`` command line.
+
+Exit status, for every verb:
+
+====  =======================================================================================
+0     every invariant held (``replay``: the recorded run was clean and replays the same)
+1     a violation was found (``replay``: the recorded violation reproduces); a request failed
+2     a usage or environment error, reported in one line on stderr before any work starts
+3     ``replay`` only: the run does not reproduce (its trace differs from the recorded one)
+4     omnisim itself failed (a bug): one line on stderr; ``-v`` shows the traceback
+130   stopped by Ctrl-C (SIGINT), after printing what ran so far; 143 for SIGTERM
+====  =======================================================================================
+
+With ``--json`` the last line printed is one JSON object. ``-v`` (anywhere on the line) shows
+the runtime's log and the traceback of an unexpected error.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
-from collections.abc import Callable
+import tempfile
+import textwrap
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
-from invariants import INVARIANTS
-from omnisim import explore as ex
-from omnisim import registry
-from omnisim.points import POINTS
-from omnisim.world import STORES, UsageError
+from omnisim.base import STORES, UsageError, is_interrupt
 
 DEFAULT_BUDGET = 200
 REPORT_DIR = "reports/latest"
+#: Everything a command generates by default lands under this (git-ignored) folder.
+RUNS_DIR = "runs"
+ARTIFACT_DIR = os.path.join(RUNS_DIR, "artifacts")
+STRATEGIES = ("random", "pct", "ordered", "hypothesis")
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+
+class CommandFailed(Exception):
+    """The command ran and its subject failed (a pipeline request): one line, exit status 1."""
+
+
+# == arguments ====================================================================================
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own exit status for usage errors is 2 too
-        self.print_usage(sys.stderr)
-        raise UsageError(message)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # argparse would print the usage and exit 2 itself
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+class _ParamAction(argparse.Action):
+    """``--param NAME=VALUE``, repeatable, collected into a dict."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: object, _: object = None
+    ) -> None:
+        name, sep, val = str(value).partition("=")
+        if not sep or not name:
+            raise UsageError(f"--param wants NAME=VALUE, got {value!r}")
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), name: val})
+
+
+def writable_dir(path: str) -> str:
+    """Prove that files can be written into folder ``path`` — itself if it exists, else the
+    nearest folder above it, where it would be made — without leaving anything behind."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"cannot write to {path!r}: {existing!r} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write to {path!r}: {e.strerror or e}") from None
+    return path
+
+
+def writable_file(path: str) -> str:
+    """Prove ``path`` can be written (see :func:`writable_dir`) without creating anything."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path!r} is a directory, not a file")
+    writable_dir(os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _add_plugin(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_PATH",
+        help="load scenarios or mutants from a module or .py file (repeatable)",
+    )
+
+
+def _add_json(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--json", action="store_true", help="end with one JSON object (and show no live progress)")
+
+
+def _add_run_options(sp: argparse.ArgumentParser, *, store_default: str | None = "memory") -> None:
+    _add_plugin(sp)
+    _add_json(sp)
+    sp.add_argument("--seed", type=int, default=0, help="the first schedule's seed (default: %(default)s)")
+    sp.add_argument(
+        "--store",
+        choices=STORES,
+        default=store_default,
+        help="where segments live: in memory, or real POSIX shared memory in /dev/shm"
+        + (" (default: %(default)s)" if store_default else " (default: both)"),
+    )
+
+
+def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="random",
+        help="how schedules are chosen (default: %(default)s)",
+    )
+    sp.add_argument("--mutant", help="apply a mutant (a re-created historic bug; `omnisim list mutants`)")
+    sp.add_argument(
+        "--order",
+        action="append",
+        metavar="CONSTRAINT",
+        help="an ordering for the ordered strategy, e.g. 'a[key=R_1_0] < b < c' over the names of "
+        "`omnisim list points` (repeatable)",
+    )
+    sp.add_argument(
+        "--param",
+        action=_ParamAction,
+        default={},
+        metavar="NAME=VALUE",
+        help="fix one parameter of the scenario's configuration (repeatable; `omnisim list scenarios` shows "
+        "them); unfixed ones are walked through, one configuration per seed",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="omnisim", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="show the runtime's log and tracebacks")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    sp = sub.add_parser(
+        "check",
+        help="the main job: every scenario, every strategy, both stores, against the clean runtime",
+        description="Explore every scenario with the random walk and PCT on both stores (and each scenario's "
+        "ordering, if it declares one) against the clean runtime; write a report; exit 1 on any violation.",
+        epilog=_examples("omnisim check", "omnisim check --budget 50 --store memory"),
+    )
+    _add_run_options(sp, store_default=None)
+    sp.add_argument(
+        "--budget",
+        type=positive_int,
+        default=DEFAULT_BUDGET,
+        help="schedules per scenario for the random walk on the memory store; the others get a share "
+        "(default: %(default)s)",
+    )
+    sp.add_argument("--out", default=REPORT_DIR, help="where the report goes (default: %(default)s)")
+    sp.set_defaults(func=cmd_check, needs_registry=True)
+
+    sp = sub.add_parser(
+        "run",
+        help="run one schedule of a scenario",
+        description="Run one schedule of SCENARIO and check its invariants.",
+        epilog=_examples(
+            "omnisim run abort_during_put --seed 3",
+            "omnisim run pipeline_requests --param async_chunk=off --store posix --json",
+        ),
+    )
+    sp.add_argument("scenario", help="a scenario name (`omnisim list scenarios`)")
+    _add_run_options(sp)
+    _add_scenario_options(sp)
+    sp.add_argument("--trace", metavar="FILE", help="write the run's trace (JSON Lines) to FILE")
+    sp.set_defaults(func=cmd_run, needs_registry=True)
+
+    sp = sub.add_parser(
+        "explore",
+        help="run many schedules; save the first failing one as an artifact",
+        description="Run up to --budget schedules of a scenario (or of every scenario with --all), seeds "
+        "--seed, --seed+1, ...; stop at the first violation and save it as a replayable artifact.",
+        epilog=_examples(
+            "omnisim explore id_reuse_after_cancel --strategy pct --budget 200",
+            "omnisim explore similar_ids --mutant prefix_cleanup --budget 50",
+            "omnisim explore --all --budget 100 --json",
+        ),
+    )
+    sp.add_argument("scenario", nargs="?", help="a scenario name (`omnisim list scenarios`)")
+    sp.add_argument("--all", action="store_true", help="explore every scenario, one after the other")
+    _add_run_options(sp)
+    _add_scenario_options(sp)
+    sp.add_argument(
+        "--budget", type=positive_int, default=DEFAULT_BUDGET, help="schedules per scenario (default: %(default)s)"
+    )
+    sp.add_argument("--time", type=positive_float, metavar="SECONDS", help="stop each scenario after this long")
+    sp.add_argument("--out", default=ARTIFACT_DIR, help="where artifacts go (default: %(default)s)")
+    sp.set_defaults(func=cmd_explore, needs_registry=True)
+
+    sp = sub.add_parser(
+        "replay",
+        help="re-run an artifact and compare its trace",
+        description="Re-run an artifact's schedule. Exit 1 if its violation reproduces, 0 if a clean run "
+        "replays clean, 3 if the run does not reproduce (the first diverging event is named).",
+        epilog=_examples("omnisim replay runs/artifacts/similar_ids-prefix_cleanup-memory-random-seed0.json"),
+    )
+    sp.add_argument("artifact", help="an artifact .json written by explore")
+    _add_json(sp)
+    _add_plugin(sp)
+    sp.set_defaults(func=cmd_replay, needs_registry=True)
+
+    sp = sub.add_parser(
+        "mutants",
+        help="the detection table: every mutant against its scenarios",
+        description="Explore each mutant (a re-created historic bug) against the scenarios it names, by "
+        "strategy, and write the detection table; exit 1 if a mutant was not found.",
+        epilog=_examples("omnisim mutants --budget 2000", "omnisim mutants --mutant prefix_cleanup --strategy pct"),
+    )
+    _add_run_options(sp)
+    sp.add_argument(
+        "--budget", type=positive_int, default=2000, help="schedules per mutant and strategy (default: %(default)s)"
+    )
+    sp.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
+    sp.add_argument(
+        "--strategy",
+        action="append",
+        choices=STRATEGIES,
+        help="only these strategies (repeatable; default: random, and ordered where a scenario declares an order)",
+    )
+    sp.add_argument("--time-limit", type=positive_float, help="seconds per mutant, scenario and strategy")
+    sp.add_argument("--out", default=REPORT_DIR, help="where the table goes (default: %(default)s)")
+    sp.set_defaults(func=cmd_mutants, needs_registry=True)
+
+    sp = sub.add_parser(
+        "list",
+        help="list scenarios (with their parameters), mutants, invariants or points",
+        epilog=_examples("omnisim list scenarios", "omnisim list points --json"),
+    )
+    sp.add_argument("what", choices=("scenarios", "mutants", "invariants", "points"), help="what to list")
+    _add_json(sp)
+    _add_plugin(sp)
+    sp.set_defaults(func=cmd_list, needs_registry=False)
+
+    sp = sub.add_parser(
+        "bench",
+        help="benchmarks: schedules per second, the pipeline, the connector against upstream",
+        description="Benchmarks print figures; they assert nothing about time.",
+        epilog=_examples("omnisim bench schedules --seconds 4", "omnisim bench connector --upstream"),
+    )
+    sp.add_argument(
+        "what",
+        choices=("schedules", "pipeline", "connector", "all"),
+        nargs="?",
+        default="all",
+        help="which benchmark (default: %(default)s)",
+    )
+    _add_json(sp)
+    sp.add_argument("--seconds", type=positive_float, default=3.0, help="time per scenario for `schedules`")
+    sp.add_argument("--sizes", default="6.4KB,1MiB,16MiB,128MiB", help="payload sizes for `connector`")
+    sp.add_argument("--reps-scale", type=positive_float, default=1.0, help="scale the connector's repetitions")
+    sp.add_argument("--runs", type=positive_int, default=5, help="requests each way for `pipeline`")
+    sp.add_argument(
+        "--upstream",
+        action="store_true",
+        help="also time upstream vLLM-Omni's connector (see --upstream-script)",
+    )
+    sp.add_argument(
+        "--upstream-script",
+        metavar="PATH",
+        help="the upstream timing script (default: shared/bench/upstream_shm.py next to or inside this checkout)",
+    )
+    sp.set_defaults(func=cmd_bench, needs_registry=True, plugin=[])
+
+    sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
+    psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sp = psub.add_parser(
+        "run",
+        help="one request: text and audio out, a WAV written",
+        description="Send one request through Thinker → Talker → Code2Wav on the real kernel and /dev/shm; "
+        "print the text, write a 24 kHz WAV, report the timings and that nothing was left behind. "
+        "Exit 1 if the request failed.",
+        epilog=_examples(
+            'omnisim pipeline run --text "hello world"',
+            'omnisim pipeline run --text "hello world" --word-timestamps --out runs/hello.wav',
+        ),
+    )
+    sp.add_argument("--text", required=True, help="what to say (1 to 20000 characters, not only spaces)")
+    sp.add_argument("--modalities", default="text,audio", help="text, audio or text,audio (default: %(default)s)")
+    sp.add_argument(
+        "--out", default=os.path.join(RUNS_DIR, "out.wav"), help="the 24 kHz WAV to write (default: %(default)s)"
+    )
+    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
+    sp.add_argument("--word-timestamps", action="store_true", help="also align every word (needs audio)")
+    sp.add_argument(
+        "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
+    )
+    sp.add_argument("--store", choices=STORES, default="posix", help="where segments live (default: %(default)s)")
+    _add_json(sp)
+    sp.set_defaults(func=cmd_pipeline, needs_registry=False, plugin=[])
+    return p
+
+
+# == commands =====================================================================================
 
 
 def _emit(args: argparse.Namespace, human: list[str], payload: dict[str, Any]) -> None:
@@ -37,7 +349,25 @@ def _violations_text(violations: list[dict[str, str]]) -> list[str]:
     return [f"  VIOLATION {v['invariant']}: {v['message']}" for v in violations]
 
 
+def _check_order(constraints: list[str] | None) -> None:
+    """Every event an ordering names must exist (``omnisim list points``)."""
+    from omnisim.points import POINTS
+    from omnisim.strategies.ordered import parse_chain
+
+    for constraint in constraints or []:
+        for pattern in parse_chain(constraint):
+            if pattern.name not in POINTS:
+                raise UsageError(
+                    f"the ordering names {pattern.name!r}, which is no point or note (`omnisim list points`)"
+                )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from omnisim import explore as ex
+
+    _check_order(args.order)
+    if args.trace:
+        writable_file(args.trace)
     res = ex.run(
         args.scenario,
         seed=args.seed,
@@ -45,14 +375,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         store=args.store,
         mutant=args.mutant,
         constraints=args.order,
+        params=args.param,
     )
     if args.trace:
         with open(args.trace, "w") as f:
             f.writelines(line + "\n" for line in res.trace_lines)
     summary = res.summary()
+    config = "".join(f" {k}={v}" for k, v in res.params.items())
     human = [
-        f"{res.scenario} seed={res.seed} strategy={summary['strategy']} store={res.store} mutant={res.mutant}: "
-        f"{len(res.trace_lines)} events, {res.steps} steps, {res.virtual_time_s:g}s virtual, "
+        f"{res.scenario}{config} seed={res.seed} strategy={summary['strategy']} store={res.store} "
+        f"mutant={res.mutant}: {len(res.trace_lines)} events, {res.steps} steps, {res.virtual_time_s:g}s virtual, "
         f"digest {res.trace_digest[:16]}",
         *_violations_text(summary["violations"]),
         *[f"  UNSATISFIED {u}" for u in res.unsatisfied],
@@ -60,32 +392,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not res.violations:
         human.append("  all invariants held")
     _emit(args, human, summary)
-    return 1 if res.violations else 0
+    return EXIT_VIOLATION if res.violations else EXIT_OK
 
 
-def _explore_one(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
-    res = ex.explore(
-        scenario,
-        strategy=args.strategy,
-        budget=args.budget,
-        time_limit=args.time,
-        seed=args.seed,
-        store=args.store,
-        mutant=args.mutant,
-        out_dir=args.out,
-        plugins=args.plugin,
-        constraints=args.order,
-    )
-    return res.summary()
-
-
-def _explore_lines(s: dict[str, Any]) -> list[str]:
+def explore_lines(s: dict[str, Any]) -> list[str]:
+    """The lines printed for one finished (or interrupted) exploration."""
     head = (
         f"{s['scenario']} [{s['strategy']}, {s['store']}, mutant={s['mutant']}]: {s['schedules']} schedules, "
         f"{s['schedules_per_s']}/s"
     )
     if s["unsatisfied_runs"]:
         head += f", {s['unsatisfied_runs']} runs could not meet the ordering"
+    if s.get("interrupted"):
+        head += " (interrupted)"
     lines = [head]
     for v in s["violations"]:
         lines.append(f"  seed {v['seed']} (after {s['first_violation_after']} schedules): artifact {v.get('artifact')}")
@@ -95,121 +414,211 @@ def _explore_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: What a command that explores has finished so far, for the summary an interrupt prints.
+_progress: list[Any] = []
+
+
+@contextmanager
+def _tracked(progress: Any) -> Iterator[Any]:
+    _progress.append(progress)
+    try:
+        yield progress
+    finally:
+        progress.close_bar()
+
+
+def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Run explorations one after the other with a progress display; their summaries."""
+    from omnisim import explore as ex
+    from omnisim.progress import Progress
+
+    with _tracked(Progress.for_command(explore_lines, json_output=args.json)) as progress:
+        progress.plan([kwargs["budget"] for _, kwargs in jobs])
+        for scenario, kwargs in jobs:
+            label = f"{scenario} [{kwargs.get('strategy', 'random')}, {kwargs.get('store', 'memory')}]"
+            on_schedule = progress.start(label, kwargs["budget"])
+            try:
+                res = ex.explore(scenario, on_schedule=on_schedule, **kwargs)
+            except ex.Interrupted as stop:
+                progress.done(stop.partial.summary())
+                raise
+            progress.done(res.summary(), kwargs["budget"])
+        return progress.finished
+
+
 def cmd_explore(args: argparse.Namespace) -> int:
+    from omnisim import registry
+
     if args.all == (args.scenario is not None):
         raise UsageError("give a SCENARIO or --all (not both)")
-    names = sorted(registry.SCENARIOS) if args.all else [args.scenario]
-    if args.strategy == "ordered" and args.all:
+    _check_order(args.order)
+    registry.get_mutant(args.mutant)
+    names = sorted(registry.SCENARIOS) if args.all else [registry.get_scenario(args.scenario).name]
+    if args.strategy == "ordered" and args.all and not args.order:
         names = [n for n in names if registry.SCENARIOS[n].constraints]
-    results = [_explore_one(args, name) for name in names]
-    human = [line for s in results for line in _explore_lines(s)]
+    if args.param:
+        for name in names:
+            registry.SCENARIOS[name].configurations(args.param)
+    writable_dir(args.out)
+    common = {
+        "strategy": args.strategy,
+        "budget": args.budget,
+        "time_limit": args.time,
+        "seed": args.seed,
+        "store": args.store,
+        "mutant": args.mutant,
+        "out_dir": args.out,
+        "plugins": args.plugin,
+        "constraints": args.order,
+        "params": args.param,
+    }
+    results = _explore_all(args, [(name, common) for name in names])
     payload = (
         results[0]
         if len(results) == 1
         else {"results": results, "violations": [v for s in results for v in s["violations"]]}
     )
-    _emit(args, human, payload)
-    return 1 if any(s["violations"] for s in results) else 0
+    _emit(args, [], payload)
+    return EXIT_VIOLATION if any(s["violations"] for s in results) else EXIT_OK
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    rr = ex.replay(args.artifact)
+    from omnisim import explore as ex
+
+    rr = ex.replay(args.artifact, plugins=args.plugin)
     summary = rr.run.summary() | {
         "reproduced": rr.reproduced,
         "expected_trace_digest": rr.expected_digest,
         "diverged_at_choice": rr.diverged_at,
         "first_difference": rr.first_difference,
     }
+    if rr.reproduced:
+        verdict = "reproduced: the violation again" if rr.run.violations else "reproduced: clean again"
+    else:
+        verdict = f"NOT reproduced (recorded digest {rr.expected_digest[:16]})"
     human = [
-        f"replay of {args.artifact}: digest {rr.run.trace_digest[:16]} "
-        + ("(same as recorded)" if rr.reproduced else f"(recorded {rr.expected_digest[:16]}: NOT reproduced)"),
+        f"replay of {args.artifact}: digest {rr.run.trace_digest[:16]}, {verdict}",
         *_violations_text(summary["violations"]),
     ]
     if rr.first_difference:
         human.append(f"  uncontrolled nondeterminism or changed code: {rr.first_difference}")
     _emit(args, human, summary)
-    return 1 if rr.run.violations else 0
+    if not rr.reproduced:
+        return EXIT_NOT_REPRODUCED
+    return EXIT_VIOLATION if rr.run.violations else EXIT_OK
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str]]
-    if args.what == "scenarios":
-        rows = [(s.name, f"{s.issue}: {s.summary}") for s in sorted(registry.SCENARIOS.values(), key=lambda s: s.name)]
-    elif args.what == "mutants":
-        rows = [(m.name, f"{m.issue}: {m.summary}") for m in sorted(registry.MUTANTS.values(), key=lambda m: m.name)]
+    if args.what in ("scenarios", "mutants"):
+        from omnisim import registry
+
+        registry.load(args.plugin)
+        if args.what == "scenarios":
+            rows = [(s.name, s.describe()) for s in sorted(registry.SCENARIOS.values(), key=lambda s: s.name)]
+        else:
+            rows = [
+                (m.name, f"{m.issue}: {m.summary}") for m in sorted(registry.MUTANTS.values(), key=lambda m: m.name)
+            ]
     elif args.what == "invariants":
+        from invariants import INVARIANTS
+
         rows = [(i.id, i.statement) for i in INVARIANTS.values()]
     else:
+        from omnisim.points import POINTS
+
         rows = [(name, f"({kind}) {meaning}") for name, (kind, meaning) in POINTS.items()]
     width = max(len(name) for name, _ in rows)
     _emit(args, [f"{name:<{width}}  {text}" for name, text in rows], {args.what: [name for name, _ in rows]})
-    return 0
+    return EXIT_OK
+
+
+def check_plans(scn: Any, budget: int, stores: list[str]) -> list[tuple[str, str, int]]:
+    """What ``check`` runs for one scenario: every strategy that can find something (the random
+    walk, PCT, and the scenario's ordering if it declares one) on each store; /dev/shm gets a
+    quarter of the memory store's budget (a schedule there costs real system calls)."""
+    share = scn.budget(budget)
+    plans = []
+    for store in stores:
+        scale = 1 if store == "memory" else 4
+        plans.append(("random", store, max(1, share // scale)))
+        plans.append(("pct", store, max(1, share // (2 * scale))))
+    if scn.constraints and "memory" in stores:
+        plans.append(("ordered", "memory", max(1, share // 4)))
+    return plans
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Every scenario on both stores (and its ordering, if it has one) against the clean runtime."""
+    from omnisim import registry
     from omnisim.report import write_check_report
 
-    results = []
-    for name in sorted(registry.SCENARIOS):
-        scn = registry.SCENARIOS[name]
-        budget = scn.budget(args.budget)
-        plans = [("random", "memory", budget), ("random", "posix", max(1, budget // 4))]
-        if scn.constraints:
-            plans.append(("ordered", "memory", max(1, budget // 4)))
-        for strategy, store, budget in plans:
-            res = ex.explore(name, strategy=strategy, budget=budget, seed=args.seed, store=store, out_dir=args.out)
-            results.append(res.summary())
-            for line in _explore_lines(results[-1]):
-                print(line, flush=True)
+    writable_dir(args.out)
+    stores = [args.store] if args.store else list(STORES)
+    jobs = [
+        (name, {"strategy": strategy, "budget": budget, "seed": args.seed, "store": store, "out_dir": args.out})
+        for name in sorted(registry.SCENARIOS)
+        for strategy, store, budget in check_plans(registry.SCENARIOS[name], args.budget, stores)
+    ]
+    results = _explore_all(args, jobs)
     path = write_check_report(results, args.out)
     failed = [s for s in results if s["violations"]]
     payload = {"results": results, "violations": [v for s in failed for v in s["violations"]], "report": path}
     _emit(args, [f"report: {path}", f"{len(results)} explorations, {len(failed)} with violations"], payload)
-    return 1 if failed else 0
+    return EXIT_VIOLATION if failed else EXIT_OK
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    """The detection table: each mutant against its scenarios, by strategy."""
+    from omnisim import explore as ex
+    from omnisim import registry
     from omnisim.report import write_mutant_report
 
-    rows = []
+    writable_dir(args.out)
     names = args.mutant or sorted(registry.MUTANTS)
-    for name in names:
-        m = registry.get_mutant(name)
-        assert m is not None
-        for scenario in m.scenarios:
-            scn = registry.get_scenario(scenario)
-            wanted = args.strategy or ["random", "ordered"]
-            for strategy in [st for st in wanted if st != "ordered" or scn.constraints]:
-                res = ex.explore(
-                    scenario,
-                    strategy=strategy,
-                    budget=args.budget,
-                    time_limit=args.time_limit,
-                    seed=args.seed,
-                    mutant=name,
-                )
-                s = res.summary()
-                rows.append(
-                    {
-                        "mutant": name,
-                        "issue": m.issue,
-                        "scenario": scenario,
-                        "strategy": strategy,
-                        "detected": bool(s["violations"]),
-                        "schedules": s["first_violation_after"] or s["schedules"],
-                        "seconds": s["seconds"],
-                        "invariants": sorted({v["invariant"] for e in s["violations"] for v in e["violations"]}),
-                    }
-                )
-                r = rows[-1]
-                verdict = (
-                    f"found after {r['schedules']} schedules ({r['seconds']}s) by {', '.join(r['invariants'])}"
-                    if r["detected"]
-                    else f"NOT found in {r['schedules']} schedules"
-                )
-                print(f"{name:<34} {scenario:<28} {strategy:<10} {verdict}", flush=True)
+    mutants = [registry.get_mutant(name) for name in names]
+    rows: list[dict[str, Any]] = []
+
+    def row_lines(r: dict[str, Any]) -> list[str]:
+        verdict = (
+            f"found after {r['schedules']} schedules ({r['seconds']}s) by {', '.join(r['invariants'])}"
+            if r["detected"]
+            else f"NOT found in {r['schedules']} schedules"
+        )
+        return [f"{r['mutant']:<34} {r['scenario']:<28} {r['strategy']:<10} {verdict}"]
+
+    from omnisim.progress import Progress
+
+    with _tracked(Progress.for_command(row_lines, json_output=args.json)) as progress:
+        for m in mutants:
+            assert m is not None
+            for scenario in m.scenarios:
+                scn = registry.get_scenario(scenario)
+                wanted = args.strategy or ["random", "ordered"]
+                for strategy in [st for st in wanted if st != "ordered" or scn.constraints]:
+                    on_schedule = progress.start(f"{m.name} on {scenario} [{strategy}]", args.budget)
+                    res = ex.explore(
+                        scenario,
+                        strategy=strategy,
+                        budget=args.budget,
+                        time_limit=args.time_limit,
+                        seed=args.seed,
+                        store=args.store,
+                        mutant=m.name,
+                        on_schedule=on_schedule,
+                    )
+                    s = res.summary()
+                    rows.append(
+                        {
+                            "mutant": m.name,
+                            "issue": m.issue,
+                            "scenario": scenario,
+                            "strategy": strategy,
+                            "detected": bool(s["violations"]),
+                            "schedules": s["first_violation_after"] or s["schedules"],
+                            "seconds": s["seconds"],
+                            "invariants": sorted({v["invariant"] for e in s["violations"] for v in e["violations"]}),
+                        }
+                    )
+                    progress.done(rows[-1])
     undetected = sorted({r["mutant"] for r in rows} - {r["mutant"] for r in rows if r["detected"]})
     path = write_mutant_report(rows, args.out)
     _emit(
@@ -217,7 +626,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         [f"report: {path}", f"{len(names) - len(undetected)}/{len(names)} mutants detected"],
         {"rows": rows, "undetected": undetected, "report": path},
     )
-    return 1 if undetected else 0
+    return EXIT_VIOLATION if undetected else EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -226,7 +635,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     payload = bench.main(args)
     if args.json:
         print(json.dumps(payload, sort_keys=True))
-    return 0
+    return EXIT_OK
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
@@ -236,119 +645,94 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     payload = run_pipeline(args)
     if args.json:
         print(json.dumps(payload, sort_keys=True))
-    return 0 if not payload["residue"] else 1
+    return EXIT_OK if not payload["residue"] else EXIT_VIOLATION
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="omnisim", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="show the runtime's log")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+# == running a command ============================================================================
 
-    def common(sp: argparse.ArgumentParser, *, scenario: bool = True) -> None:
-        sp.add_argument(
-            "--plugin",
-            action="append",
-            default=[],
-            metavar="MODULE_OR_PATH",
-            help="load scenarios or mutants from a module or .py file (repeatable)",
+
+def _take_verbose(argv: list[str]) -> tuple[list[str], bool]:
+    """``-v``/``--verbose`` work anywhere on the line (before a ``--``)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [a for a in argv[:end] if a not in ("-v", "--verbose")] + argv[end:]
+    return kept, len(kept) != len(argv)
+
+
+class _Signals:
+    """SIGTERM is handled as SIGINT's handler would handle it, so that trio stops a run the one
+    safe way it stops on Ctrl-C; which signal came decides the exit status."""
+
+    def __init__(self) -> None:
+        self.terminated = False
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        self.terminated = True
+        on_int = signal.getsignal(signal.SIGINT)
+        if not callable(on_int):
+            # Started with SIGINT ignored (a background job): nobody would turn it into a
+            # KeyboardInterrupt, so raise one here.
+            raise KeyboardInterrupt
+        # Exactly what SIGINT would have done at this instruction (trio's handler defers the
+        # interrupt if it landed inside trio's own machinery).
+        on_int(signal.SIGINT, frame)
+
+    @contextmanager
+    def installed(self) -> Iterator[_Signals]:
+        previous = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(signals: _Signals) -> int:
+    """Print what ran before the interrupt; the exit status of the signal."""
+    name = "SIGTERM" if signals.terminated else "Ctrl-C"
+    finished = [s for p in _progress for s in p.finished]
+    print(f"omnisim: stopped by {name}", file=sys.stderr)
+    if finished:
+        schedules = sum(s.get("schedules", 0) for s in finished)
+        found = sum(1 for s in finished if s.get("violations") or s.get("detected"))
+        print(
+            f"omnisim: before that, {len(finished)} exploration(s) ran, {schedules} schedules, "
+            f"{found} with violations; the schedule in progress was abandoned (not checked, not saved)",
+            file=sys.stderr,
         )
-        sp.add_argument("--json", action="store_true", help="end with one JSON object")
-        sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--store", choices=STORES, default="memory")
-        if scenario:
-            sp.add_argument("--strategy", choices=ex.STRATEGIES, default="random")
-            sp.add_argument("--mutant", help="apply a mutant (a re-created historic bug)")
-            sp.add_argument(
-                "--order",
-                action="append",
-                metavar="CONSTRAINT",
-                help="an ordering for the ordered strategy, e.g. 'a[key=R_1_0] < b < c' (repeatable)",
-            )
-
-    sp = sub.add_parser("run", help="run one schedule of a scenario")
-    sp.add_argument("scenario")
-    common(sp)
-    sp.add_argument("--trace", metavar="FILE", help="write the trace (JSON Lines)")
-    sp.set_defaults(func=cmd_run)
-
-    sp = sub.add_parser("explore", help="run many schedules; save the first failing one as an artifact")
-    sp.add_argument("scenario", nargs="?")
-    sp.add_argument("--all", action="store_true")
-    common(sp)
-    sp.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
-    sp.add_argument("--time", type=float, help="stop after this many seconds")
-    sp.add_argument("--out", default="artifacts", help="where artifacts go (default: %(default)s)")
-    sp.set_defaults(func=cmd_explore)
-
-    sp = sub.add_parser("replay", help="re-run an artifact and compare its trace digest")
-    sp.add_argument("artifact")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--plugin", action="append", default=[])
-    sp.set_defaults(func=cmd_replay)
-
-    sp = sub.add_parser("list", help="list scenarios, mutants, invariants or points")
-    sp.add_argument("what", choices=("scenarios", "mutants", "invariants", "points"))
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--plugin", action="append", default=[])
-    sp.set_defaults(func=cmd_list)
-
-    sp = sub.add_parser("check", help="the main job: every scenario against the clean runtime; writes reports/latest/")
-    common(sp, scenario=False)
-    sp.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
-    sp.add_argument("--out", default=REPORT_DIR)
-    sp.set_defaults(func=cmd_check)
-
-    sp = sub.add_parser("mutants", help="the detection table: every mutant against its scenarios")
-    common(sp, scenario=False)
-    sp.add_argument("--budget", type=int, default=2000)
-    sp.add_argument("--mutant", action="append", help="only these mutants")
-    sp.add_argument(
-        "--strategy",
-        action="append",
-        choices=ex.STRATEGIES,
-        help="only these strategies (repeatable; default: random, and ordered where a scenario declares an order)",
-    )
-    sp.add_argument("--time-limit", type=float, help="seconds per mutant, scenario and strategy")
-    sp.add_argument("--out", default=REPORT_DIR)
-    sp.set_defaults(func=cmd_mutants)
-
-    sp = sub.add_parser("bench", help="benchmarks: schedules per second, the pipeline, the connector against upstream")
-    sp.add_argument("what", choices=("schedules", "pipeline", "connector", "all"), nargs="?", default="all")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--seconds", type=float, default=3.0, help="time per scenario for the schedule benchmark")
-    sp.add_argument("--sizes", default="6.4KB,1MiB,16MiB,128MiB")
-    sp.add_argument("--reps-scale", type=float, default=1.0)
-    sp.add_argument("--runs", type=int, default=5, help="requests each way for the pipeline benchmark")
-    sp.add_argument("--upstream", action="store_true", help="also time upstream's connector (needs its wheel)")
-    sp.set_defaults(func=cmd_bench, plugin=[])
-    sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
-    psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser)
-    sp = psub.add_parser("run", help="one request: text and audio out, a WAV written")
-    sp.add_argument("--text", required=True)
-    sp.add_argument("--modalities", default="text,audio")
-    sp.add_argument("--out", default="out.wav", help="the 24 kHz WAV to write (default: %(default)s)")
-    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    sp.add_argument("--word-timestamps", action="store_true")
-    sp.add_argument("--async-chunk", choices=("on", "off"), default="on")
-    sp.add_argument("--store", choices=STORES, default="posix")
-    sp.add_argument("--json", action="store_true")
-    sp.set_defaults(func=cmd_pipeline, plugin=[])
-    return p
+    return EXIT_SIGTERM if signals.terminated else EXIT_SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s"
-        )
-        registry.load(args.plugin)
-        handler: Callable[[argparse.Namespace], int] = args.func
-        return handler(args)
-    except UsageError as e:
-        print(f"omnisim: error: {e}", file=sys.stderr)
-        return 2
+    argv, verbose = _take_verbose(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s"
+    )
+    _progress.clear()
+    with _Signals().installed() as signals:
+        try:
+            args = build_parser().parse_args(argv)
+            if args.needs_registry:
+                from omnisim import registry
+
+                registry.load(args.plugin)
+            handler: Callable[[argparse.Namespace], int] = args.func
+            return handler(args)
+        except UsageError as e:
+            print(f"omnisim: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except CommandFailed as e:
+            print(f"omnisim: {e}", file=sys.stderr)
+            return EXIT_VIOLATION
+        except BaseException as e:
+            if is_interrupt(e):
+                return _interrupted(signals)
+            if not isinstance(e, Exception):
+                raise
+            if verbose:
+                traceback.print_exc()
+            message = textwrap.shorten(f"{type(e).__name__}: {e}", 300)
+            hint = "" if verbose else " (run with -v for the traceback)"
+            print(f"omnisim: internal error: {message}{hint}", file=sys.stderr)
+            return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

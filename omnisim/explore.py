@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +16,8 @@ import hypothesis
 import trio
 
 from invariants import Violation, check
-from omnisim.registry import Scenario, applied, get_mutant, get_scenario
+from omnisim.base import STORES, UsageError, is_interrupt
+from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
 from omnisim.strategies.hypothesis import SCHEDULES, HypothesisStrategy
@@ -21,7 +25,6 @@ from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
-from omnisim.world import STORES, UsageError
 from runtime.kernel import use_kernel
 
 STRATEGIES = ("random", "pct", "ordered", "hypothesis")
@@ -39,6 +42,7 @@ class RunResult:
     strategy: dict[str, Any]
     seed: int
     mutant: str | None
+    params: dict[str, str]
     violations: list[Violation]
     trace_lines: list[str]
     trace_digest: str
@@ -56,6 +60,7 @@ class RunResult:
             "seed": self.seed,
             "strategy": self.strategy["strategy"],
             "mutant": self.mutant,
+            "params": self.params,
             "violations": [v.as_dict() for v in self.violations],
             "trace_digest": self.trace_digest,
             "points": len(self.trace_lines),
@@ -87,20 +92,48 @@ def make_strategy(
     raise UsageError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
 
 
-def run_once(scn: Scenario, *, store: str, strategy: Strategy, seed: int, mutant: str | None = None) -> RunResult:
-    """Run one schedule of ``scn`` and check its invariants. The mutant must already be applied."""
-    return trio.run(run_once_async, scn, store, strategy, seed, mutant)
+def single_threaded() -> None:
+    """A simulated run is one logical thread, so it must not start thread pools either: torch's
+    intra-op pool would spin against every other process on the machine (a pipeline scenario ran
+    several times slower next to one other torch process). Called before every simulated run;
+    ``OMP_NUM_THREADS`` covers the processes a campaign starts."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def run_once(
+    scn: Scenario,
+    *,
+    store: str,
+    strategy: Strategy,
+    seed: int,
+    mutant: str | None = None,
+    params: Params | None = None,
+) -> RunResult:
+    """Run one schedule of ``scn`` and check its invariants. The mutant must already be applied.
+    ``params``: the configuration (default: the one ``seed`` walks to)."""
+    return trio.run(run_once_async, scn, store, strategy, seed, mutant, params)
 
 
 async def run_once_async(
-    scn: Scenario, store: str, strategy: Strategy, seed: int, mutant: str | None = None
+    scn: Scenario,
+    store: str,
+    strategy: Strategy,
+    seed: int,
+    mutant: str | None = None,
+    params: Params | None = None,
 ) -> RunResult:
     """:func:`run_once` inside a running trio loop (used to run many schedules in one loop)."""
     if store not in STORES:
         raise UsageError(f"unknown store {store!r}; choose one of: {', '.join(STORES)}")
+    single_threaded()
+    config = scn.params_for(seed, params)
     kernel = SimKernel(strategy, faults=scn.faults(seed), horizon_s=scn.horizon_s)
     with use_kernel(kernel):
-        world = scn.build(store)
+        world = scn.make_world(store, config)
+        world.seed = seed
     try:
         outcome = await kernel.run_async(lambda: world.run(scn.body))
         # A run the ordering cut short proves nothing about the runtime: it is reported as
@@ -115,6 +148,7 @@ async def run_once_async(
         strategy=strategy.describe(),
         seed=seed,
         mutant=mutant,
+        params=config,
         violations=violations,
         trace_lines=lines,
         trace_digest=trace_digest(lines),
@@ -135,12 +169,18 @@ def run(
     store: str = "memory",
     mutant: str | None = None,
     constraints: list[str] | None = None,
+    params: Params | None = None,
 ) -> RunResult:
     scn = get_scenario(scenario)
     m = get_mutant(mutant)
     with applied(m):
         return run_once(
-            scn, store=store, strategy=make_strategy(strategy, seed, scn, constraints), seed=seed, mutant=mutant
+            scn,
+            store=store,
+            strategy=make_strategy(strategy, seed, scn, constraints),
+            seed=seed,
+            mutant=mutant,
+            params=params,
         )
 
 
@@ -156,6 +196,14 @@ class ExploreResult:
     first_violation_after: int | None = None
     unsatisfied_runs: int = 0
     artifact: str | None = None
+    #: Schedules this exploration may run (its budget).
+    budget: int = 0
+    #: Stopped by Ctrl-C or SIGTERM: the schedule that was running is not counted.
+    interrupted: bool = False
+
+    @property
+    def violation_count(self) -> int:
+        return sum(len(entry["violations"]) for entry in self.violations)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -170,7 +218,21 @@ class ExploreResult:
             "first_violation_after": self.first_violation_after,
             "unsatisfied_runs": self.unsatisfied_runs,
             "artifact": self.artifact,
+            "interrupted": self.interrupted,
         }
+
+
+#: Called after every schedule of an exploration (a progress display).
+OnSchedule = Callable[[ExploreResult], None]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped an exploration; ``partial`` is what it ran before. The
+    schedule that was running is abandoned: never checked, never saved as an artifact."""
+
+    def __init__(self, partial: ExploreResult) -> None:
+        super().__init__(f"interrupted after {partial.schedules} schedules")
+        self.partial = partial
 
 
 def explore(
@@ -186,17 +248,65 @@ def explore(
     plugins: list[str] | None = None,
     stop_on_violation: bool = True,
     constraints: list[str] | None = None,
+    params: Params | None = None,
+    on_schedule: OnSchedule | None = None,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
-    and save it as an artifact in ``out_dir``."""
+    and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`."""
+    if budget < 1:
+        raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
     scn = get_scenario(scenario)
     m = get_mutant(mutant)
-    if strategy == "hypothesis":
-        if constraints:
-            raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
-        with applied(m):
-            return _explore_with_hypothesis(scn, budget, time_limit, seed, store, mutant, out_dir, plugins or [])
-    result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0)
+    scn.configurations(params)  # an unknown parameter is a usage error before anything runs
+    result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget)
+    start = time.perf_counter()
+    with applied(m), _interruptible(result, start):
+        if strategy == "hypothesis":
+            if constraints:
+                raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
+            _explore_with_hypothesis(result, scn, time_limit, seed, store, out_dir, plugins or [], params, on_schedule)
+        else:
+            _explore_schedules(
+                result,
+                scn,
+                time_limit,
+                seed,
+                out_dir,
+                plugins or [],
+                constraints,
+                params,
+                on_schedule,
+                stop_on_violation,
+            )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@contextmanager
+def _interruptible(result: ExploreResult, start: float) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        result.interrupted = True
+        result.seconds = time.perf_counter() - start
+        raise Interrupted(result) from None
+
+
+def _explore_schedules(
+    result: ExploreResult,
+    scn: Scenario,
+    time_limit: float | None,
+    seed: int,
+    out_dir: str | None,
+    plugins: list[str],
+    constraints: list[str] | None,
+    params: Params | None,
+    on_schedule: OnSchedule | None,
+    stop_on_violation: bool,
+) -> None:
+    strategy, store, mutant, budget = result.strategy, result.store, result.mutant, result.budget
     start = time.perf_counter()
 
     async def loop() -> None:
@@ -212,40 +322,42 @@ def explore(
                 make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions),
                 run_seed,
                 mutant,
+                params,
             )
             decisions = len(res.choices) or decisions
             result.schedules += 1
+            result.seconds = time.perf_counter() - start
             if res.unsatisfied:
                 result.unsatisfied_runs += 1
             if res.violations:
                 result.first_violation_after = result.first_violation_after or result.schedules
                 entry: dict[str, Any] = {"seed": run_seed, "violations": [v.as_dict() for v in res.violations]}
                 if out_dir is not None:
-                    entry["artifact"] = save_artifact(res, out_dir, plugins or [])
+                    entry["artifact"] = save_artifact(res, out_dir, plugins)
                     result.artifact = result.artifact or entry["artifact"]
                 result.violations.append(entry)
-                if stop_on_violation:
-                    return
+            if on_schedule is not None:
+                on_schedule(result)
+            if res.violations and stop_on_violation:
+                return
 
-    with applied(m):
-        trio.run(loop)
-    result.seconds = time.perf_counter() - start
-    return result
+    trio.run(loop)
 
 
 def _explore_with_hypothesis(
+    result: ExploreResult,
     scn: Scenario,
-    budget: int,
     time_limit: float | None,
     seed: int,
     store: str,
-    mutant: str | None,
     out_dir: str | None,
     plugins: list[str],
-) -> ExploreResult:
+    params: Params | None,
+    on_schedule: OnSchedule | None,
+) -> None:
     """Let Hypothesis generate up to ``budget`` schedules (as choice sequences) and, on a
     violation, shrink the schedule; the reported and saved run is the shrunk one."""
-    result = ExploreResult(scn.name, "hypothesis", store, mutant, 0, 0.0)
+    budget, mutant = result.budget, result.mutant
     failing: list[tuple[RunResult, list[int]]] = []
     start = time.perf_counter()
 
@@ -261,7 +373,7 @@ def _explore_with_hypothesis(
     def schedule_holds(choices: list[int]) -> None:
         if not failing and time_limit is not None and time.perf_counter() - start > time_limit:
             hypothesis.reject()
-        res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant)
+        res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant, params=params)
         result.schedules += 1
         if res.violations:
             result.first_violation_after = result.first_violation_after or result.schedules
@@ -282,8 +394,6 @@ def _explore_with_hypothesis(
         if out_dir is not None:
             entry["artifact"] = result.artifact = save_artifact(shrunk, out_dir, plugins)
         result.violations.append(entry)
-    result.seconds = time.perf_counter() - start
-    return result
 
 
 class ScheduleFailed(AssertionError):
@@ -293,7 +403,8 @@ class ScheduleFailed(AssertionError):
 def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
     """Write everything needed to replay ``res``; returns the path."""
     os.makedirs(out_dir, exist_ok=True)
-    name = f"{res.scenario}-{res.mutant or 'clean'}-{res.store}-{res.strategy['strategy']}-seed{res.seed}"
+    config = "".join(f"-{value}" for value in res.params.values())
+    name = f"{res.scenario}{config}-{res.mutant or 'clean'}-{res.store}-{res.strategy['strategy']}-seed{res.seed}"
     path = os.path.join(out_dir, name + ".json")
     with open(os.path.join(out_dir, name + ".trace.jsonl"), "w") as f:
         f.writelines(line + "\n" for line in res.trace_lines)
@@ -303,6 +414,7 @@ def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
         "store": res.store,
         "seed": res.seed,
         "mutant": res.mutant,
+        "params": res.params,
         "plugins": [os.path.abspath(p) if os.path.exists(p) else p for p in plugins],
         "strategy": res.strategy,
         "choices": res.choices,
@@ -327,28 +439,60 @@ class ReplayResult:
         return self.run.trace_digest == self.expected_digest
 
 
+#: What an artifact must hold, with the type each field must have.
+_ARTIFACT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "scenario": str,
+    "store": str,
+    "seed": int,
+    "strategy": dict,
+    "choices": list,
+    "events": list,
+    "trace_digest": str,
+}
+
+
 def load_artifact(path: str) -> dict[str, Any]:
+    """Read and check an artifact; a file that is not a readable, complete artifact is a usage error."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             artifact = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"cannot read artifact {path!r}: {e}") from e
+    except FileNotFoundError:
+        raise UsageError(f"cannot read artifact {path!r}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read artifact {path!r}: {e}") from None
     if not isinstance(artifact, dict) or artifact.get("version") != ARTIFACT_VERSION:
         raise UsageError(f"{path!r} is not an omnisim artifact of version {ARTIFACT_VERSION}")
+    for name, kind in _ARTIFACT_FIELDS.items():
+        if not isinstance(artifact.get(name), kind) or isinstance(artifact.get(name), bool):
+            raise UsageError(f"artifact {path!r} has no valid {name!r} field")
+    if not all(isinstance(c, int) for c in artifact["choices"]):
+        raise UsageError(f"artifact {path!r}: 'choices' must be a list of task ids")
+    if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in artifact["events"]):
+        raise UsageError(f"artifact {path!r}: 'events' must be a list of [task, event] pairs")
+    params = artifact.get("params")
+    if params is not None and not (isinstance(params, dict) and all(isinstance(v, str) for v in params.values())):
+        raise UsageError(f"artifact {path!r}: 'params' must map names to values")
     return artifact
 
 
-def replay(path: str) -> ReplayResult:
+def replay(path: str, *, plugins: list[str] | None = None) -> ReplayResult:
     """Re-run an artifact: its exact choices first, its event order where the choices stop fitting."""
     from omnisim.registry import load
 
     artifact = load_artifact(path)
-    load(artifact.get("plugins"))
+    load([*(artifact.get("plugins") or []), *(plugins or [])])
     scn = get_scenario(artifact["scenario"])
+    mutant = get_mutant(artifact.get("mutant"))
+    scn.configurations(artifact.get("params"))
     strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
-    with applied(get_mutant(artifact.get("mutant"))):
+    with applied(mutant):
         res = run_once(
-            scn, store=artifact["store"], strategy=strategy, seed=artifact["seed"], mutant=artifact.get("mutant")
+            scn,
+            store=artifact["store"],
+            strategy=strategy,
+            seed=artifact["seed"],
+            mutant=artifact.get("mutant"),
+            params=artifact.get("params"),
         )
     res.strategy = {"strategy": "replay", "of": artifact["strategy"]}
     difference = None

@@ -4,55 +4,117 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import uuid
 import wave
 from typing import Any
 
-import torch
-import trio
+from omnisim.base import UsageError
+from omnisim.cli import CommandFailed, writable_file
 
-from omnisim.world import UsageError, make_store
-from runtime.config.pipeline import load_pipeline
-from runtime.models.code2wav import SAMPLE_RATE
-from runtime.pipeline import Models, build_engine, run_request
+#: A text longer than this gets a progress bar (on a terminal): it takes more than a few seconds.
+PROGRESS_FROM_CHARS = 200
 
 
-def write_wav(path: str, audio: torch.Tensor) -> None:
+def write_wav(path: str, audio: Any, sample_rate: int) -> None:
+    import torch
+
     pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with wave.open(path, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
+        w.setframerate(sample_rate)
         w.writeframes(pcm)
 
 
+def _modalities(text: str) -> tuple[str, ...]:
+    modalities = {m.strip() for m in text.split(",") if m.strip()}
+    if not modalities or not modalities <= {"text", "audio"}:
+        raise UsageError(f"--modalities takes text and/or audio, got {text!r}")
+    return tuple(sorted(modalities))
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """Everything that can be wrong with the command line, found before a model is built."""
+    from runtime.serving import RequestRejected, check_input_text
+
+    try:
+        check_input_text(args.text)
+    except RequestRejected as e:
+        raise UsageError(f"--text: {e}") from None
+    modalities = _modalities(args.modalities)
+    if args.word_timestamps and "audio" not in modalities:
+        raise UsageError("--word-timestamps needs the audio modality")
+    if "audio" in modalities:
+        writable_file(args.out)
+    return modalities
+
+
+class _StageProgress:
+    """A bar over the Thinker's tokens for a long text, with the audio produced so far."""
+
+    def __init__(self, text: str, live: bool) -> None:
+        self._bar = None
+        if live and len(text) >= PROGRESS_FROM_CHARS:
+            from tqdm import tqdm
+
+            from runtime.models.thinker import answer_token_ids
+
+            self._bar = tqdm(total=len(answer_token_ids(text)), unit="tok", desc="thinker", file=sys.stderr)
+        self._audio_s = 0.0
+
+    def update(self, kind: str, data: Any, sample_rate: int) -> None:
+        if self._bar is None or data is None:
+            return
+        if kind == "text":
+            self._bar.update(max(1, (len(data.encode()) + 1) // 2))
+        elif kind == "audio":
+            self._audio_s += data.numel() / sample_rate
+            self._bar.set_postfix({"audio": f"{self._audio_s:.1f}s"}, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
-    modalities = {m.strip() for m in args.modalities.split(",") if m.strip()}
-    if not modalities <= {"text", "audio"} or not modalities:
-        raise UsageError(f"--modalities takes text and/or audio, got {args.modalities!r}")
+    modalities = check_arguments(args)
+    import torch
+    import trio
+
+    from omnisim.world import make_store
+    from runtime.config.pipeline import load_pipeline
+    from runtime.models.code2wav import SAMPLE_RATE
+    from runtime.pipeline import Models, build_engine, run_request
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
     config = load_pipeline("qwen3_omni")
     if args.async_chunk == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     store = make_store(args.store)
-    engine = build_engine(config, Models.build(args.device), store)
     request_id = f"req-{uuid.uuid4().hex[:8]}"
+    progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:
+        engine = build_engine(config, Models.build(args.device), store)
         result = trio.run(
             lambda: run_request(
                 engine,
                 store,
                 args.text,
-                modalities=tuple(sorted(modalities)),
+                modalities=modalities,
                 word_timestamps=args.word_timestamps,
                 request_id=request_id,
+                on_output=lambda kind, data: progress.update(kind, data, SAMPLE_RATE),
             )
         )
     finally:
+        progress.close()
         leftovers = store.sweep()
     if result.error is not None:
-        raise RuntimeError(f"request {request_id} failed: {result.error}")
+        raise CommandFailed(f"request {request_id} failed: {result.error}")
     if "text" in modalities:
         print(result.text)
     payload: dict[str, Any] = {
@@ -68,7 +130,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "swept": leftovers,
     }
     if "audio" in modalities:
-        write_wav(args.out, result.audio)
+        write_wav(args.out, result.audio, SAMPLE_RATE)
         payload["wav"] = args.out
         ttfa = result.time_to_first_audio_s
         print(f"audio: {payload['audio_s']:.2f} s at {SAMPLE_RATE} Hz -> {args.out}")

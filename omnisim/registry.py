@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from omnisim.base import UsageError
 from omnisim.faults import FaultPlan
-from omnisim.world import UsageError, World
+from omnisim.world import World
 
 BUILTIN_PLUGIN = "scenarios"
 
@@ -31,6 +33,7 @@ DEFAULT_INVARIANTS = (
     "no-tombstones",
     "exact-key-ownership",
     "no-stale-commit",
+    "no-stale-consume",
     "terminal-delivered",
     "samples-exactly-once",
     "aligner-complete",
@@ -40,12 +43,29 @@ DEFAULT_INVARIANTS = (
 )
 
 
+#: One configuration of a scenario: parameter name -> value.
+Params = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A dimension of a scenario's configuration space; the first value is the default shown."""
+
+    name: str
+    values: tuple[str, ...]
+    help: str
+
+    def __str__(self) -> str:
+        return f"{self.name}={'|'.join(self.values)}"
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     summary: str
     issue: str
-    build: Callable[[str], World]
+    #: Builds the world for a store kind; a scenario with ``params`` also gets its configuration.
+    build: Callable[..., World]
     body: ScenarioBody
     constraints: tuple[str, ...] = ()
     faults: Callable[[int], FaultPlan | None] = lambda seed: None
@@ -53,9 +73,40 @@ class Scenario:
     horizon_s: float = 20.0
     #: The share of a command's schedule budget this scenario runs (a long schedule runs fewer).
     budget_share: float = 1.0
+    params: tuple[Param, ...] = ()
 
     def budget(self, budget: int) -> int:
         return max(1, int(budget * self.budget_share))
+
+    def configurations(self, fixed: Params | None = None) -> list[dict[str, str]]:
+        """Every configuration, in a fixed order, that agrees with ``fixed``."""
+        fixed = dict(fixed or {})
+        for name, value in fixed.items():
+            param = next((p for p in self.params if p.name == name), None)
+            if param is None:
+                known = ", ".join(p.name for p in self.params) or "none"
+                raise UsageError(f"scenario {self.name!r} has no parameter {name!r} (its parameters: {known})")
+            if value not in param.values:
+                raise UsageError(
+                    f"parameter {name} of {self.name!r} is one of {', '.join(param.values)}, not {value!r}"
+                )
+        choices = [(fixed[p.name],) if p.name in fixed else p.values for p in self.params]
+        return [dict(zip((p.name for p in self.params), combo, strict=True)) for combo in itertools.product(*choices)]
+
+    def params_for(self, seed: int, fixed: Params | None = None) -> dict[str, str]:
+        """The configuration a run with ``seed`` explores: successive seeds walk through every
+        configuration in turn, so any budget of at least their number covers them all."""
+        combos = self.configurations(fixed)
+        return combos[seed % len(combos)]
+
+    def make_world(self, store: str, params: Params) -> World:
+        world = self.build(store, dict(params)) if self.params else self.build(store)
+        world.params = dict(params)
+        return world
+
+    def describe(self) -> str:
+        shown = f" [{', '.join(map(str, self.params))}]" if self.params else ""
+        return f"{self.issue}: {self.summary}{shown}"
 
 
 @dataclass(frozen=True)
@@ -92,8 +143,12 @@ def scenario(
     invariants: tuple[str, ...] = DEFAULT_INVARIANTS,
     horizon_s: float = 20.0,
     budget_share: float = 1.0,
+    params: tuple[Param, ...] = (),
 ) -> Callable[[ScenarioBody], ScenarioBody]:
-    """Register the decorated ``async def body(world)`` as scenario ``name``."""
+    """Register the decorated ``async def body(world)`` as scenario ``name``.
+
+    With ``params``, ``build(store_kind, params)`` gets the run's configuration (also on
+    ``world.params``), and exploring walks through every combination of the values."""
 
     def register(body: ScenarioBody) -> ScenarioBody:
         if name in SCENARIOS:
@@ -109,6 +164,7 @@ def scenario(
             invariants,
             horizon_s,
             budget_share,
+            params,
         )
         return body
 

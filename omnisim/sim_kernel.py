@@ -45,6 +45,16 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * 1_000_000))
 
 
+def _split_crash(e: BaseException) -> tuple[Exception | None, BaseException | None]:
+    return (e, None) if isinstance(e, Exception) else (None, e)
+
+
+def _only_cancelled(e: BaseException) -> bool:
+    if isinstance(e, BaseExceptionGroup):
+        return all(_only_cancelled(inner) for inner in e.exceptions)
+    return isinstance(e, trio.Cancelled)
+
+
 @dataclass(eq=False)
 class SimTask:
     """A logical task. ``pending`` is the point it waits at, which the strategy may inspect."""
@@ -228,18 +238,18 @@ class SimKernel:
         try:
             await task.fn()
         except BaseException as e:
-            # A crash is recorded and the world goes on (as a dying thread would leave the rest
-            # running); a cancellation that stops the world is let through.
-            cancelled, crash = (
-                e.split(trio.Cancelled)
-                if isinstance(e, BaseExceptionGroup)
-                else ((e, None) if isinstance(e, trio.Cancelled) else (None, e))
-            )
+            # An exception of the code under test is a crash: it is recorded and the world goes
+            # on (as a dying thread would leave the rest running). Anything else — the world's
+            # own cancellation, a KeyboardInterrupt, SystemExit — is not the runtime's doing:
+            # it stops the world and goes on up to whoever runs it.
+            crash, rest = e.split(Exception) if isinstance(e, BaseExceptionGroup) else _split_crash(e)
             if crash is not None:
                 self.crashes.append((task.name, "".join(traceback.format_exception(crash)).strip()))
                 self._emit(task, "kernel.crash", {"error": type(crash).__name__})
-            if cancelled is not None:
-                raise cancelled from None
+            if rest is not None:
+                if not _only_cancelled(rest):
+                    self._stop("interrupted", f"{task.name} raised {type(rest).__name__}")
+                raise rest from None
         finally:
             task.state = DONE
             self.tasks.remove(task)

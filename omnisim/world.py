@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
+from omnisim.base import STORES, UsageError
 from omnisim.sim_kernel import SimOutcome
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
@@ -19,14 +20,9 @@ from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
-STORES = ("memory", "posix")
 #: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
 #: each), so up to 64 consumed keys have been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
 QUIESCE_S = 0.25
-
-
-class UsageError(ValueError):
-    """A bad name or parameter given by the user (exit status 2)."""
 
 
 def make_store(kind: str) -> Store:
@@ -61,6 +57,10 @@ class World:
         self.components: dict[str, Any] = {}
         #: What runs for the whole run, by name: ``(run, shutdown)`` (every stage's adapter loops).
         self.services: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = {}
+        #: The scenario configuration this run explores (see ``omnisim.registry.Param``).
+        self.params: dict[str, str] = {}
+        #: The run's seed, for workload choices a scenario draws (e.g. when to shut down).
+        self.seed = 0
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
         """Record a violation of ``invariant`` seen by the scenario itself during the run."""

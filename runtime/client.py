@@ -20,7 +20,7 @@ import torch
 from runtime import serving
 from runtime.config.topology import OutputType
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.orchestrator import EngineOutput, Orchestrator
+from runtime.orchestrator import SHUT_DOWN, EngineOutput, EngineStopped, Orchestrator
 from runtime.serving import EmittedSamplesTrim, OutputKind
 
 _request_ids = itertools.count()
@@ -66,9 +66,14 @@ async def generate(
     # The engine always streams; ``stream=False`` only changes what this client is handed.
     params = serving.request_params(engine.default_sampling_params, stream=True, word_timestamps=word_timestamps)
     rid = request_id if request_id is not None else f"req-{next(_request_ids)}"
-    results = await engine.submit(
-        rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps
-    )
+    try:
+        results = await engine.submit(
+            rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps
+        )
+    except EngineStopped:
+        kind = OutputType.AUDIO if OutputType.AUDIO in outputs else OutputType.TEXT
+        yield ClientOutput(kind, None, finished=True, error=SHUT_DOWN)
+        return
     final_stages = {s.stage_id for s in engine.config.stages if s.final_output in outputs}
     trim = EmittedSamplesTrim() if params[-1].output_kind is OutputKind.CUMULATIVE else None
     pending: list[ClientOutput] = []

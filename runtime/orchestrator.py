@@ -30,6 +30,7 @@ import torch
 
 from runtime.config.pipeline import PipelineConfig
 from runtime.config.topology import OutputType
+from runtime.connectors.keys import validate_request_id
 from runtime.kernel import current_kernel
 from runtime.models.aligner import ForcedAligner, WordTimestamp
 from runtime.models.code2wav import SAMPLE_RATE
@@ -38,13 +39,19 @@ from runtime.request import Request
 from runtime.sched.ar import ARScheduler
 from runtime.sched.base import IDLE_WAIT_S, StageOutput
 from runtime.sched.generation import GenerationScheduler
-from runtime.serving import OutputKind, SamplingParams, StageAudio
+from runtime.serving import OutputKind, SamplingParams, StageAudio, check_input_text
 from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta
 
 log = logging.getLogger(__name__)
 
 ABORTED = "aborted"
 SHUT_DOWN = "the engine shut down"
+#: How long a shutdown waits for the requests in flight to be aborted and released.
+SHUTDOWN_GRACE_S = 5.0
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new request."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ class Orchestrator:
         self._to_release: deque[RequestState] = deque()
         self._release_needed = k.signal("orch.release")
         self._released = k.signal("orch.released")
-        self._stopped = False
+        self._stopping = False
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -151,13 +158,19 @@ class Orchestrator:
             await self._released.wait(IDLE_WAIT_S)
 
     def shutdown(self) -> None:
-        """Stop everything. Requests still in flight end with an error terminal; what they hold
-        in the store goes when each stage's connector closes."""
+        """Stop, gracefully: requests in flight end at once with an error terminal and are
+        aborted on every stage; once their release sweeps ran (or :data:`SHUTDOWN_GRACE_S`
+        passed) the stages stop and each connector removes what it still tracks. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
         for state in self.requests.values():
             if not state.closed:
+                self._abort_stages(state)
                 self._close(state, self._terminal(state, SHUT_DOWN))
-        self._stopped = True
         self._release_needed.notify()
+
+    def _stop_stages(self) -> None:
         for stage in self.stages.values():
             stage.scheduler.shutdown()
             stage.adapter.shutdown()
@@ -176,12 +189,16 @@ class Orchestrator:
         """Start a request; its outputs arrive on the returned stream. A request id still in use
         (not yet released) is waited for: the old generation's sweep must run first."""
         k = current_kernel()
+        validate_request_id(request_id)
+        check_input_text(text)
         if word_timestamps and self.aligner is None:
             raise ValueError("word_timestamps needs an engine built with a forced aligner")
         final = self.config.final_stage_id(outputs)
         await k.point("orch.submit", req=request_id)
-        while request_id in self.requests:
+        while request_id in self.requests and not self._stopping:
             await self._released.wait(IDLE_WAIT_S)
+        if self._stopping:
+            raise EngineStopped(f"request {request_id!r} was submitted after the engine began to shut down")
         state = RequestState(
             request_id=request_id,
             text=text,
@@ -324,12 +341,21 @@ class Orchestrator:
         state.stream.put(terminal)
 
     async def _release_loop(self) -> None:
+        """Run the release sweeps; once shutting down, stop the stages when every request is
+        released or the grace period is over."""
+        k = current_kernel()
+        grace_ends: float | None = None
         while True:
             self._check_send_failures()
             while self._to_release:
                 await self._release(self._to_release.popleft())
-            if self._stopped:
-                return
+            if self._stopping:
+                grace_ends = k.now() + SHUTDOWN_GRACE_S if grace_ends is None else grace_ends
+                if not self.requests or k.now() >= grace_ends:
+                    if self.requests:
+                        log.warning("shutdown: %d request(s) not released in time", len(self.requests))
+                    self._stop_stages()
+                    return
             await self._release_needed.wait(IDLE_WAIT_S)
 
     async def _release(self, state: RequestState) -> None:

@@ -7,7 +7,9 @@ clock) or under the simulator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,9 +54,11 @@ async def run_request(
     modalities: tuple[str, ...] = ("text", "audio"),
     word_timestamps: bool = False,
     request_id: str | None = None,
+    on_output: Callable[[str, Any], None] | None = None,
 ) -> PipelineResult:
     """Start ``engine`` (whose stages use ``store``), stream one request through it, wait for its
-    release sweep, report what is left anywhere (store and every table), and stop the engine."""
+    release sweep, report what is left anywhere (store and every table), and stop the engine.
+    ``on_output(kind, data)`` sees every output as it arrives (a progress display)."""
     k = current_kernel()
     pieces: list[str] = []
     audio: list[torch.Tensor] = []
@@ -65,6 +69,8 @@ async def run_request(
         tasks.start_soon(engine.run, name="engine")
         start = k.now()
         async for out in generate(engine, text, modalities, word_timestamps=word_timestamps, request_id=request_id):
+            if on_output is not None:
+                on_output(out.kind.value, out.data)
             if out.kind is OutputType.TEXT and out.data is not None:
                 pieces.append(out.data)
             elif out.kind is OutputType.AUDIO and out.data is not None:

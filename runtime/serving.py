@@ -33,8 +33,23 @@ class SamplingParams:
     output_kind: OutputKind = OutputKind.DELTA
 
 
+#: The longest input text a request may carry (a 20,000-character text is ~3 min of audio).
+MAX_INPUT_CHARS = 20_000
+
+
 class RequestRejected(ValueError):
     """A request the serving layer refuses, with guidance for the client."""
+
+
+def check_input_text(text: object) -> str:
+    """A request's text must be a string with something to say, at most :data:`MAX_INPUT_CHARS`."""
+    if not isinstance(text, str):
+        raise RequestRejected(f"the input text must be a string, not {type(text).__name__}")
+    if not text.strip():
+        raise RequestRejected("the input text is empty: there is nothing to say")
+    if len(text) > MAX_INPUT_CHARS:
+        raise RequestRejected(f"the input text has {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
+    return text
 
 
 def check_http_speech_request(*, stream: bool, word_timestamps: bool, has_aligner: bool) -> None:

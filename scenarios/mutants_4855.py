@@ -10,7 +10,7 @@ from runtime.kernel import current_kernel
 from runtime.request import Request
 from runtime.sched.base import StageScheduler as Scheduler
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
-from runtime.transfer.adapter import SaveTask
+from runtime.transfer.adapter import SaveTask, SenderGeneration
 
 DEADLINE = ("input_wait_deadline",)
 #: The scenarios whose sender gives up: a put that reports failure, and one that raises.
@@ -76,6 +76,20 @@ def send_failure_under_external_id() -> Iterator[Patch]:
 )
 def put_failure_not_recorded() -> Iterator[Patch]:
     yield Patch(Adapter, "_put_failed", lambda self, task, key: None)
+
+
+@mutant(
+    "send_after_failed_put",
+    summary="a generation whose put failed goes on sending: the next chunk goes out under the failed key and "
+    "the receiver takes a gapped stream for a whole one (found by PCT on pipeline_send_failure)",
+    issue="#4855 R1.2, omnisim issue 7",
+    scenarios=("pipeline_send_failure",),
+)
+def send_after_failed_put() -> Iterator[Patch]:
+    def may_send(token: SenderGeneration, is_terminal: bool) -> bool:
+        return is_terminal or not token.cancelled
+
+    yield Patch(Adapter, "_may_send", staticmethod(may_send))
 
 
 @mutant(

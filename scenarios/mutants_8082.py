@@ -298,3 +298,19 @@ def lock_removed_only_if_decoded() -> Iterator[Patch]:
             self.store.remove_lock(key)
 
     yield Patch(ShmConnector, "_remove_lock_after_read", _remove_lock_after_read)
+
+
+@mutant(
+    "consume_without_claim",
+    summary="the connector consumes without asking the reader's claim under the key's lock: a get that outlived "
+    "its registration eats the chunk a reused id's new generation wrote (a hang)",
+    issue="#8082 (b), omnisim issue 7",
+    scenarios=("id_reuse_after_cancel",),
+)
+def consume_without_claim() -> Iterator[Patch]:
+    original = vars(ShmConnector)["get"]
+
+    async def get(self: ShmConnector, *args: Any, claim: Any = None, **kwargs: Any) -> Any:
+        return await original(self, *args, **kwargs)
+
+    yield Patch(ShmConnector, "get", get)

@@ -9,7 +9,9 @@ end with exactly one terminal; word timestamps must cover the whole audio.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import random
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ import torch
 
 from invariants.observed import Stream
 from omnisim.faults import Fault, FaultPlan
-from omnisim.registry import ScenarioBody, scenario
+from omnisim.registry import Param, Params, ScenarioBody, scenario
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import load_pipeline
@@ -28,7 +30,7 @@ from runtime.kernel import current_kernel
 from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
 from runtime.models.thinker import ToyTokenizer
-from runtime.orchestrator import Orchestrator
+from runtime.orchestrator import SHUT_DOWN, Orchestrator
 from runtime.pipeline import Models, build_engine
 from scenarios.edge import together
 
@@ -59,18 +61,69 @@ def offline_answer(text: str) -> tuple[str, torch.Tensor]:
     return ToyTokenizer.normalize(text), audio
 
 
-def pipeline_world(store_kind: str) -> World:
+#: What each (unspecialised) client of a pipeline scenario asks for.
+MODALITIES = Param("modalities", ("text+audio", "audio", "text"), "what the clients ask for")
+#: The same for scenarios whose clients need audio (word timestamps, a failing Talker-bound chunk).
+AUDIO_MODALITIES = Param("modalities", ("text+audio", "audio"), "what the clients ask for (audio always)")
+#: How stages hand each other their outputs: chunk by chunk, or whole once a stage finished.
+ASYNC_CHUNK = Param("async_chunk", ("on", "off"), "the deploy's async_chunk: chunked hand-off or whole payloads")
+#: When the engine stops: after every request ended, or at a drawn moment while they run.
+SHUTDOWN = Param("shutdown", ("idle", "in_flight"), "the engine shuts down once idle, or while requests run")
+PIPELINE_PARAMS = (MODALITIES, ASYNC_CHUNK, SHUTDOWN)
+#: The most scheduling points an in-flight shutdown waits (a run makes a few thousand).
+SHUTDOWN_WITHIN_POINTS = 1500
+
+
+def pipeline_world(store_kind: str, params: Params) -> World:
     world = World(store_kind)
-    engine = build_engine(load_pipeline("qwen3_omni"), models(), world.store)
+    config = load_pipeline("qwen3_omni")
+    if params.get("async_chunk") == "off":
+        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
+    engine = build_engine(config, models(), world.store)
     world.components["engine"] = engine
     world.services["engine"] = (engine.run, engine.shutdown)
     return world
 
 
-def pipeline_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], ScenarioBody]:
+def pipeline_scenario(
+    name: str, *, params: tuple[Param, ...] = PIPELINE_PARAMS, **kwargs: Any
+) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register a scenario on the whole pipeline. A run is long (every model step is simulated),
-    so it gets half a command's schedule budget and a 60 s horizon."""
-    return scenario(name, build=pipeline_world, horizon_s=60.0, budget_share=0.5, **kwargs)
+    so it gets half a command's schedule budget and a 60 s horizon. With ``shutdown=in_flight``
+    the engine is shut down at a point drawn from the seed while the body's clients run."""
+
+    def register(body: ScenarioBody) -> ScenarioBody:
+        async def run(world: World) -> None:
+            if world.params.get("shutdown") != "in_flight":
+                await body(world)
+                return
+            clients_done = [False]
+
+            async def clients() -> None:
+                await body(world)
+                clients_done[0] = True
+
+            await together(("clients", clients), ("orch.shutdown", lambda: shutdown_in_flight(world, clients_done)))
+
+        scenario(name, build=pipeline_world, horizon_s=60.0, budget_share=0.5, params=params, **kwargs)(run)
+        return body
+
+    return register
+
+
+async def shutdown_in_flight(world: World, clients_done: list[bool]) -> None:
+    """Shut the engine down after a number of scheduling points drawn from the run's seed (the
+    strategy decides what the other tasks do meanwhile), unless every client ended before."""
+    k = current_kernel()
+    for _ in range(random.Random(world.seed).randrange(SHUTDOWN_WITHIN_POINTS)):
+        if clients_done[0]:
+            return
+        await k.point("scenario.shutdown.wait")
+    engine_of(world).shutdown()
+
+
+def client_modalities(world: World) -> tuple[str, ...]:
+    return tuple(world.params.get("modalities", "text+audio").split("+"))
 
 
 def engine_of(world: World) -> Orchestrator:
@@ -86,7 +139,8 @@ class Client:
     name: str
     text: str
     request_id: str
-    modalities: tuple[str, ...] = ("text", "audio")
+    #: Default: the scenario's ``modalities`` parameter.
+    modalities: tuple[str, ...] | None = None
     word_timestamps: bool = False
     sample_rate: int = SAMPLE_RATE
     #: Stop listening after this many outputs (a disconnect: ``generate`` is closed early).
@@ -97,6 +151,19 @@ class Client:
     def __post_init__(self) -> None:
         self.stream = self.world.stream(self.name, self.request_id)
         self.stream.complete_required = False  # checked by content below, not by frame counts
+        if self.modalities is None:
+            self.modalities = client_modalities(self.world)
+        self.outcomes = self.stream.allowed_outcomes
+
+    @property
+    def outcomes(self) -> frozenset[str]:
+        return self.stream.allowed_outcomes
+
+    @outcomes.setter
+    def outcomes(self, allowed: frozenset[str]) -> None:
+        """What this client may end with; an engine shut down in flight may end anyone."""
+        shut_down = {"shut down"} if self.world.params.get("shutdown") == "in_flight" else set()
+        self.stream.allowed_outcomes = frozenset(allowed) | shut_down
 
     async def run(self) -> None:
         answer = generate(
@@ -112,7 +179,9 @@ class Client:
                 self.outputs.append(out)
                 self.stream.chunks.append((0, out.finished))
                 if out.finished:
-                    self.stream.outcome = {None: "finished", "aborted": "aborted"}.get(out.error, "failed")
+                    self.stream.outcome = {None: "finished", "aborted": "aborted", SHUT_DOWN: "shut down"}.get(
+                        out.error, "failed"
+                    )
                 elif len(self.outputs) == self.leave_after:
                     self.stream.outcome = "left"
                     return
@@ -185,7 +254,7 @@ async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None
 
 @pipeline_scenario(
     "pipeline_requests",
-    summary="three concurrent text+audio requests through Thinker → Talker → Code2Wav: one inside the initial "
+    summary="three concurrent requests through Thinker → Talker → Code2Wav: one inside the initial "
     "chunk, one with a remainder, one on the 4+25 boundary (empty terminal); each gets its exact text and audio",
     issue="#5413, #5383, spec §1.5–1.6, §4.1–4.2",
 )
@@ -200,6 +269,7 @@ async def pipeline_requests(world: World) -> None:
 
 @pipeline_scenario(
     "pipeline_word_timestamps",
+    params=(AUDIO_MODALITIES, ASYNC_CHUNK, SHUTDOWN),
     summary="streaming requests with word timestamps (one resampled to 16 kHz) next to a plain one: CUMULATIVE "
     "stage outputs trimmed to each sample once before resampling, and the aligner gets the complete waveform",
     issue="#7544",
@@ -223,7 +293,7 @@ async def pipeline_abort_before_output(world: World) -> None:
     audio_only = Client(world, "audio_only", REMAINDER, "A", modalities=("audio",))
     both = Client(world, "both", SHORT, "B")
     for client in (audio_only, both):
-        client.stream.allowed_outcomes = frozenset({"aborted", "finished"})
+        client.outcomes = frozenset({"aborted", "finished"})
 
     await together(
         ("A", audio_only.run),
@@ -245,9 +315,9 @@ async def pipeline_concurrent_chaos(world: World) -> None:
     reused = Client(world, "reused", SHORT, "R")
     again = Client(world, "reused.again", REMAINDER, "R")
     leaver = Client(world, "leaver", REMAINDER, "L", leave_after=3)
-    leaver.stream.allowed_outcomes = frozenset({"left", "finished"})
+    leaver.outcomes = frozenset({"left", "finished"})
     for client in (flaky, reused):
-        client.stream.allowed_outcomes = frozenset({"aborted", "finished"})
+        client.outcomes = frozenset({"aborted", "finished"})
 
     async def reuse() -> None:
         await together(("R.first", reused.run), ("R.abort", lambda: abort_once_submitted(reused, after_points=3)))
@@ -267,10 +337,12 @@ async def pipeline_concurrent_chaos(world: World) -> None:
     summary="the Thinker's put of one chunk of a request fails: the orchestrator reads the sender's give-up and "
     "fails that request with an error terminal at once (no wait for the input deadline); its neighbour finishes",
     issue="#4855 R1.2",
+    # The failing put is a Thinker chunk: it needs chunked hand-off and a request that reaches the Talker.
+    params=(AUDIO_MODALITIES, SHUTDOWN),
     faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_0_3"})], seed),
 )
 async def pipeline_send_failure(world: World) -> None:
     failing = Client(world, "failing", REMAINDER, "F")
-    failing.stream.allowed_outcomes = frozenset({"failed"})
+    failing.outcomes = frozenset({"failed"})
     healthy = Client(world, "healthy", SHORT, "H")
     await together(("F", failing.run), ("H", healthy.run))

@@ -53,6 +53,19 @@ def _remove(name: str) -> None:
             os.unlink(path)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", help="also run the long campaigns (marked `long`)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long") or "long" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long campaign: run with --long (or -m long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def shm_leak_check(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Fail a test that leaves any of this process's names in /dev/shm."""

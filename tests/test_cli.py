@@ -7,12 +7,15 @@ violation was found, 2 a usage or setup error. With ``--json`` the last line is 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,7 +130,7 @@ def test_explore_clean_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert payload["violations"] == []
     assert payload["first_violation_after"] is None
     assert payload["schedules_per_s"] > 0
-    assert not Path("artifacts").exists()  # nothing failed, nothing saved
+    assert not Path("runs").exists() and not Path("artifacts").exists()  # nothing failed, nothing saved
 
 
 @pytest.mark.parametrize(
@@ -197,14 +200,71 @@ def test_explore_finds_mutant_and_replay_reproduces(
         (["list", "everything"], "invalid choice: 'everything'"),
         (["run", "abort_during_put", "--plugin", "no_such_plugin_module_xyz"], "cannot load plugin"),
         (["run", "abort_during_put", "--plugin", "missing_plugin.py"], "does not exist"),
+        (["explore", "abort_during_put", "--budget", "0"], "--budget: must be at least 1"),
+        (["explore", "abort_during_put", "--budget", "-1"], "--budget: must be at least 1"),
+        (["explore", "abort_during_put", "--time", "0"], "--time: must be a positive number"),
+        (["explore", "abort_during_put", "--out", "/proc/no/such"], "cannot write to '/proc/no/such'"),
+        (["explore", "abort_during_put", "--out", "/dev/null"], "cannot write to '/dev/null'"),
+        (["run", "abort_during_put", "--param", "x=1"], "has no parameter 'x'"),
+        (["run", "pipeline_requests", "--param", "async_chunk=maybe"], "is one of on, off"),
+        (
+            ["run", "abort_during_put", "--strategy", "ordered", "--order", "shm.put.begin < no.such.point"],
+            "no.such.point",
+        ),
+        (["pipeline", "run", "--text", ""], "the input text is empty"),
+        (["pipeline", "run", "--text", "   "], "the input text is empty"),
+        (["pipeline", "run", "--text", "x" * 20001], "the limit is 20000"),
+        (["pipeline", "run", "--text", "hi", "--out", "/proc/no/such.wav"], "cannot write to '/proc/no'"),
+        (["pipeline", "run", "--text", "hi", "--modalities", "video"], "--modalities takes text and/or audio"),
+        (["pipeline", "run", "--text", "hi", "--modalities", "text", "--word-timestamps"], "needs the audio"),
     ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     code, out, err = omnisim(capsys, *argv)
     assert code == 2
     assert "omnisim: error:" in err and message in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert out == ""
+    assert not Path("runs").exists()  # refused before any work started
+
+
+def test_verbose_works_anywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["-v", "list", "points"], ["list", "-v", "points"], ["list", "points", "-v"]):
+        code, out, err = omnisim(capsys, *argv)
+        assert code == 0, err
+        assert "shm.put.begin" in out
+
+
+def test_every_option_has_help_and_every_verb_an_example() -> None:
+    def walk(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from walk(sub)
+
+    verbs = 0
+    for parser in walk(cli.build_parser()):
+        for action in parser._actions:
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                assert action.help, f"{parser.prog}: {action.dest} has no help text"
+        if not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+            verbs += 1
+            assert parser.epilog and "examples:" in parser.epilog, f"{parser.prog} --help shows no example"
+    assert verbs >= 7
+
+
+def test_help_and_argument_errors_do_not_import_torch() -> None:
+    for argv in (["--help"], ["explore", "--budget", "0", "x"], ["list", "points"], ["list", "invariants"]):
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "omnisim.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+        assert "torch" not in imported, f"omnisim {' '.join(argv)} imported torch"
 
 
 def test_replay_of_a_file_that_is_not_an_artifact_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -367,3 +427,115 @@ def test_mutants_table_by_chosen_strategies(capsys: pytest.CaptureFixture[str], 
     assert code == 0, err
     rows = last_json(out)["rows"]
     assert [r["strategy"] for r in rows] == ["pct", "random"] and all(r["detected"] for r in rows)
+
+
+# -- exit codes a script can trust: replay ------------------------------------------------------
+
+
+def test_replay_exit_codes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """1 when the violation reproduces, 0 when a clean run replays clean, 3 when it does not reproduce."""
+    from omnisim.explore import run, save_artifact
+
+    clean = save_artifact(run("abort_during_put", seed=2), str(tmp_path / "clean"), [])
+    code, out, err = omnisim(capsys, "replay", clean, "--json")
+    assert code == 0, err
+    assert last_json(out)["reproduced"] is True
+
+    tampered = json.loads(Path(clean).read_text())
+    tampered["choices"] = [999] * len(tampered["choices"])  # no task has that id: the schedule diverges
+    tampered["scenario"] = "stale_receiver_entry"
+    path = tmp_path / "tampered.json"
+    path.write_text(json.dumps(tampered))
+    code, out, err = omnisim(capsys, "replay", str(path), "--json")
+    assert code == 3, err
+    assert last_json(out)["reproduced"] is False
+    assert "NOT reproduced" in out
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda a: a.pop("choices"), "no valid 'choices'"),
+        (lambda a: a.update(choices="abc"), "no valid 'choices'"),
+        (lambda a: a.update(events=[["task"]]), "'events' must be a list"),
+        (lambda a: a.update(seed="7"), "no valid 'seed'"),
+        (lambda a: a.update(params={"async_chunk": 1}), "'params' must map"),
+    ],
+)
+def test_replay_of_an_incomplete_artifact_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, edit: Any, message: str
+) -> None:
+    from omnisim.explore import run, save_artifact
+
+    artifact = json.loads(Path(save_artifact(run("abort_during_put"), str(tmp_path), [])).read_text())
+    edit(artifact)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(artifact))
+    code, _, err = omnisim(capsys, "replay", str(path))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_replay_of_a_binary_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    code, _, err = omnisim(capsys, "replay", str(path))
+    assert code == 2 and "cannot read artifact" in err and "Traceback" not in err
+
+
+# -- Ctrl-C and SIGTERM ---------------------------------------------------------------------------
+
+
+def _shm_names() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("omnisim-")}
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, status: int) -> None:
+    """Each signal stops a long exploration at once: its exit status, a summary of what ran, no
+    artifact invented from the interrupted schedule, nothing left in /dev/shm."""
+    before = _shm_names()
+    out_dir = tmp_path / "artifacts"
+    argv = ["explore", "--all", "--budget", "100000", "--store", "posix", "--out", str(out_dir)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnisim.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        # As a terminal's Ctrl-C finds it, even when this test runs as a background job (which
+        # starts with SIGINT ignored, and a child inherits that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(8)  # imports, then a few hundred schedules on /dev/shm
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    stopped_after = time.monotonic() - sent
+    assert proc.returncode == status, err
+    assert "(interrupted)" in out and "stopped by" in err and "Traceback" not in err
+    assert not any(out_dir.glob("*.json")), "the interrupted schedule was saved as a violation"
+    assert _shm_names() <= before
+    assert stopped_after < 30  # a generous bound for a loaded machine; the note gives the figure
+
+
+def test_ctrl_c_is_never_a_crash_of_the_runtime() -> None:
+    """A KeyboardInterrupt raised inside a simulated task stops the run; it is not recorded as
+    a crash (and so never as a violation)."""
+    import trio
+
+    from omnisim.sim_kernel import SimKernel
+    from omnisim.strategies.random import RandomStrategy
+
+    kernel = SimKernel(RandomStrategy(0))
+
+    async def main() -> None:
+        await kernel.point("scenario.client.wait", req="x")
+        raise KeyboardInterrupt
+
+    with pytest.raises(BaseException) as caught:
+        trio.run(kernel.run_async, main)
+    from omnisim.base import is_interrupt
+
+    assert is_interrupt(caught.value)
+    assert kernel.crashes == []

@@ -43,7 +43,7 @@ def test_mutant_is_detected(mutant: str) -> None:
     m = registry.MUTANTS[mutant]
     tried = []
     for scenario in m.scenarios:
-        strategies = ["random"] + (["ordered"] if registry.SCENARIOS[scenario].constraints else [])
+        strategies = ["random", "pct"] + (["ordered"] if registry.SCENARIOS[scenario].constraints else [])
         for strategy in strategies:
             res = explore(scenario, strategy=strategy, budget=MUTANT_BUDGET, mutant=mutant)
             if res.violations:
@@ -57,3 +57,40 @@ def test_pct_finds_a_deep_race() -> None:
     random walk took 271 schedules to find it (``omnisim mutants``), PCT's change points 11."""
     pct = explore("stale_receiver_entry", strategy="pct", budget=60, mutant="mapping_outside_lock")
     assert pct.violations
+
+
+def test_a_get_in_flight_across_an_id_reuse_leaves_the_new_chunk() -> None:
+    """Issue 7: an old generation's receiver parked at ``shm.get.begin`` while R is aborted and
+    reused must not consume the new generation's chunk (PCT found it at schedule 98)."""
+    res = explore("id_reuse_after_cancel", strategy="pct", budget=200, seed=1)
+    assert res.schedules == 200
+    assert res.violations == []
+    bug = explore("id_reuse_after_cancel", strategy="pct", budget=200, seed=1, mutant="consume_without_claim")
+    found = {v["invariant"] for entry in bug.violations for v in entry["violations"]}
+    assert "no-stale-consume" in found
+
+
+def test_pipeline_scenarios_walk_their_configurations() -> None:
+    scn = registry.SCENARIOS["pipeline_requests"]
+    configs = scn.configurations()
+    assert len(configs) == 12
+    assert {c["modalities"] for c in configs} == {"text", "audio", "text+audio"}
+    assert {c["async_chunk"] for c in configs} == {"on", "off"}
+    assert {c["shutdown"] for c in configs} == {"idle", "in_flight"}
+    # Successive seeds walk through every configuration; a fixed parameter holds.
+    assert [scn.params_for(seed) for seed in range(12)] == configs
+    assert {scn.params_for(seed, {"async_chunk": "off"})["async_chunk"] for seed in range(12)} == {"off"}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"modalities": "text", "async_chunk": "on", "shutdown": "idle"},
+        {"modalities": "audio", "async_chunk": "off", "shutdown": "idle"},
+        {"modalities": "text+audio", "async_chunk": "off", "shutdown": "in_flight"},
+    ],
+    ids=lambda p: "-".join(p.values()),
+)
+def test_a_pipeline_configuration_is_clean(params: dict[str, str]) -> None:
+    res = explore("pipeline_concurrent_chaos", budget=6, params=params, stop_on_violation=False)
+    assert res.violations == []

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from invariants.observed import TraceEvent
+from omnisim.base import UsageError
 from omnisim.strategies.random import RandomStrategy
-from omnisim.world import UsageError
 
 if TYPE_CHECKING:
     from omnisim.sim_kernel import SimTask

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 
@@ -24,9 +25,18 @@ class Connector(Protocol):
         ...
 
     async def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        claim: Callable[[], bool] | None = None,
     ) -> tuple[Any, int] | None:
-        """Take the payload under ``get_key`` if it is there now; None means "not available now"."""
+        """Take the payload under ``get_key`` if it is there now; None means "not available now".
+
+        ``claim``, asked while the key is held exclusively and before anything is consumed,
+        may refuse the payload (it then stays where it is)."""
         ...
 
     async def cleanup(self, key: str) -> bool:

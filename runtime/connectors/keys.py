@@ -25,6 +25,24 @@ def validate_key(key: str) -> str:
     return key
 
 
+#: Room a request id leaves in a key for ``_{stage}_{chunk}``.
+MAX_REQUEST_ID_LENGTH = MAX_KEY_LENGTH - 40
+
+
+def validate_request_id(request_id: object) -> str:
+    """A request id becomes the stem of every chunk key of its request, so it must be a valid key
+    with room for the stage and chunk numbers; else :class:`InvalidKeyError` naming the rule."""
+    if not isinstance(request_id, str):
+        raise InvalidKeyError(f"request id must be a str, got {type(request_id).__name__}")
+    if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidKeyError(
+            f"request id must be 1..{MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}: {request_id[:40]!r}"
+        )
+    if not KEY_PATTERN.fullmatch(request_id) or request_id in (".", ".."):
+        raise InvalidKeyError(f"request id {request_id!r} may only contain letters, digits and _ . : -")
+    return request_id
+
+
 def chunk_key(external_req_id: str, stage_id: int, chunk_id: int) -> str:
     """The adapter's key for chunk ``chunk_id`` that stage ``stage_id`` sends for a request."""
     return f"{external_req_id}_{stage_id}_{chunk_id}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from runtime.connectors.base import FAILED_PUT, PutResult
@@ -125,9 +126,22 @@ class ShmConnector:
         return get_key
 
     async def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        claim: Callable[[], bool] | None = None,
     ) -> tuple[Any, int] | None:
-        """Take the payload of ``get_key`` if it is complete now; None otherwise or if it was corrupt."""
+        """Take the payload of ``get_key`` if it is complete now; None otherwise or if it was corrupt.
+
+        ``claim`` is asked once the key's lock is held and before anything is consumed: False
+        leaves the payload where it is. A reader whose request was cleaned up while its get was
+        in flight says no there, so it can never eat a chunk that a later generation of the
+        same id wrote under the same key — no writer of the key can slip in between the answer
+        and the consumption, in this process or another.
+        """
         k = current_kernel()
         key = validate_key(self._resolve_key(get_key, metadata))
         await k.point("shm.get.begin", key=key)
@@ -138,7 +152,7 @@ class ShmConnector:
             lock = self.store.open_lock(key, create=False)
         except StoreError:
             lock = None
-        if lock is None or not lock.try_acquire():
+        if lock is None or not lock.try_acquire() or (claim is not None and not claim()):
             segment.close()
             if lock is not None:
                 lock.close()

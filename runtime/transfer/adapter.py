@@ -65,6 +65,9 @@ class SenderGeneration:
     cleanup_deferred: bool = False
     num_puts: int = 0
     terminal_sent: bool = False
+    #: A put of this generation failed: it sends nothing more (a later chunk would go out under
+    #: the failed key and the receiver would take a gapped stream for a whole one).
+    failed: bool = False
 
 
 @dataclass(eq=False)
@@ -345,6 +348,9 @@ class ChunkTransferAdapter:
             k.note("adapter.send.stale", ext=ext, gen=token.serial)
             if is_terminal:
                 await self._release_terminal_fence(ext, token)
+                if token.failed and self._sender_tokens.get(ext) is token:
+                    # The terminal that would have retired it will never be sent.
+                    await self.cleanup_sender(ext)
             return
         try:
             await self._send_for_generation(task, token)
@@ -361,8 +367,9 @@ class ChunkTransferAdapter:
 
     @staticmethod
     def _may_send(token: SenderGeneration, is_terminal: bool) -> bool:
-        """A cancellation vetoes ordinary chunks but never a terminal (#6670)."""
-        return is_terminal or not token.cancelled
+        """A cancellation vetoes ordinary chunks but never a terminal (#6670); a failed put
+        vetoes everything after it."""
+        return not token.failed and (is_terminal or not token.cancelled)
 
     def _run_processor(self, task: SaveTask) -> dict[str, Any] | None:
         if self.processor is None:
@@ -416,6 +423,7 @@ class ChunkTransferAdapter:
         async with self._sender_state_lock:
             if ok and task.is_finished:
                 token.terminal_sent = True
+            token.failed = token.failed or not ok
             still_current = self._sender_tokens.get(ext) is token
             retiring_without_terminal = token.cancelled and not (task.is_finished or token.terminal_pending)
             if not still_current or retiring_without_terminal:
@@ -547,8 +555,17 @@ class ChunkTransferAdapter:
             self.request_ids_mapping[req_id] = entry.external_req_id
             chunk_id = self.get_req_chunk.get(req_id, 0)
         key = chunk_key(entry.external_req_id, self.stage_id - 1, chunk_id)
+        k.note("adapter.poll", stage=self.stage_id, req=req_id, entry=entry.serial, key=key)
         try:
-            result = await self.connector.get(str(self.stage_id - 1), str(self.stage_id), key, entry.source_metadata)
+            # The identity check is asked again while the key is held, before anything is
+            # consumed: a poll that outlived its registration must leave a reused id's chunk.
+            result = await self.connector.get(
+                str(self.stage_id - 1),
+                str(self.stage_id),
+                key,
+                entry.source_metadata,
+                claim=lambda: self._entry_is_current_locked(entry, "claim"),
+            )
         except Exception:
             log.exception("get of %s failed", key)
             result = None
