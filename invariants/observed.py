@@ -57,15 +57,26 @@ class HasResidue(Protocol):
 class StoreSnapshot:
     segments: list[str]
     lock_files: list[str]
+    #: The namespace's owner is dead: whatever it holds waits for a sweep.
+    owner_dead: bool = False
+
+
+#: The snapshots taken once the world went idle: everything a request held must be gone there.
+SETTLED = ("quiescence", "shutdown")
 
 
 @dataclass
 class Snapshot:
-    """Resources and per-request state at one moment (quiescence, or after shutdown)."""
+    """Resources and per-request state at one moment (quiescence, after shutdown, or mid-run
+    right after a sweep)."""
 
     label: str
     stores: dict[str, StoreSnapshot]
     residue: dict[str, dict[str, list[str]]]
+
+    @property
+    def settled(self) -> bool:
+        return self.label in SETTLED
 
 
 @dataclass
@@ -77,6 +88,8 @@ class Stream:
     frames_sent: int = 0
     chunks: list[tuple[int, bool]] = field(default_factory=list)  # (frames, finished)
     outcome: str = "open"  # open | finished | aborted | failed
+    #: Why it failed, as the client was told.
+    error: str | None = None
     #: Outcomes this request may legitimately end with (an abort may race the terminal).
     allowed_outcomes: frozenset[str] = frozenset({"finished"})
     #: The frames themselves (codebook 0..15 of each), where a scenario records content.
@@ -102,3 +115,5 @@ class ObservedWorld:
     crashes: list[tuple[str, str]] = field(default_factory=list)
     #: Violations a scenario's own probes saw during the run, by invariant id.
     probe_failures: dict[str, list[str]] = field(default_factory=dict)
+    #: Virtual time when the run ended (or was stopped).
+    end_time_us: int = 0

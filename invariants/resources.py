@@ -9,6 +9,8 @@ from invariants.observed import ObservedWorld
 def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
     out = []
     for snap in world.snapshots:
+        if not snap.settled:
+            continue
         for store, contents in snap.stores.items():
             names = contents.segments if kind == "segment" else contents.lock_files
             out.extend(f"{kind} {name} of the {store} store still exists at {snap.label}" for name in names)
@@ -20,9 +22,25 @@ def no_orphan_shm(world: ObservedWorld) -> list[str]:
     return _store_leftovers(world, "segment")
 
 
-@invariant("no-orphan-lock", "no lock file of the run's namespace exists at quiescence or after shutdown")
+@invariant(
+    "no-orphan-lock",
+    "no lock file of the run's namespace exists at quiescence or after shutdown, and a reader that consumed a "
+    "chunk removes its lock file itself, decoded or not (#8082 i)",
+)
 def no_orphan_lock(world: ObservedWorld) -> list[str]:
-    return _store_leftovers(world, "lock file")
+    out = _store_leftovers(world, "lock file")
+    consumed: dict[str, str] = {}  # task -> key it consumed and still owes the lock file of
+    for ev in world.trace:
+        if ev.name == "shm.get.consumed":
+            consumed[ev.task] = str(ev.attrs["key"])
+        elif ev.name in ("shm.get.unlocked", "kernel.killed"):  # a killed reader owes nothing
+            consumed.pop(ev.task, None)
+        elif ev.name in ("shm.get.begin", "shm.put.begin") and ev.task in consumed:
+            out.append(f"{ev.task} consumed {consumed.pop(ev.task)} and left its lock file (someone else must reap it)")
+    out.extend(
+        f"{task} consumed {key} and left its lock file (someone else must reap it)" for task, key in consumed.items()
+    )
+    return out
 
 
 @invariant(
@@ -32,6 +50,8 @@ def no_orphan_lock(world: ObservedWorld) -> list[str]:
 def no_tombstones(world: ObservedWorld) -> list[str]:
     out = []
     for snap in world.snapshots:
+        if not snap.settled:
+            continue
         for component, structures in snap.residue.items():
             for structure, left in structures.items():
                 if left:

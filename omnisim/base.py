@@ -1,8 +1,11 @@
 """What every part of the harness shares and must stay cheap to import (the command line's
-``--help`` and argument errors load nothing else): the store names, the usage error, and how an
-interrupt is recognised."""
+``--help`` and argument errors load nothing else): the store names, the command errors, how an
+interrupt is recognised, and the checks that an output path can be written."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 #: The stores a simulated world can run on.
 STORES = ("memory", "posix")
@@ -10,6 +13,10 @@ STORES = ("memory", "posix")
 
 class UsageError(ValueError):
     """A bad name or parameter given by the user (exit status 2)."""
+
+
+class CommandFailed(Exception):
+    """The command ran and its subject failed (a pipeline request): one line, exit status 1."""
 
 
 def is_interrupt(error: BaseException | None) -> bool:
@@ -20,3 +27,27 @@ def is_interrupt(error: BaseException | None) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return any(is_interrupt(inner) for inner in error.exceptions)
     return isinstance(error, KeyboardInterrupt) or is_interrupt(error.__cause__)
+
+
+def writable_dir(path: str) -> str:
+    """Prove that files can be written into folder ``path`` — itself if it exists, else the
+    nearest folder above it, where it would be made — without leaving anything behind."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"cannot write to {path!r}: {existing!r} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write to {path!r}: {e.strerror or e}") from None
+    return path
+
+
+def writable_file(path: str) -> str:
+    """Prove ``path`` can be written (see :func:`writable_dir`) without creating anything."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path!r} is a directory, not a file")
+    writable_dir(os.path.dirname(os.path.abspath(path)))
+    return path

@@ -116,6 +116,66 @@ def bench_pipeline(runs: int) -> dict[str, Any]:
     return row
 
 
+REUSE_TEXT = "the quick brown fox jumped over the lazy dog and ran away into the woods"
+
+
+def bench_reuse(requests: int, concurrency: int, reuse_fraction: float = 0.1) -> dict[str, Any]:
+    """Latency of requests on fresh ids and on ids reused right after they ended, under a
+    concurrent load (issue 9: a release must not queue behind unrelated requests' puts)."""
+    import random
+
+    from runtime.client import generate
+    from runtime.config.pipeline import load_pipeline
+    from runtime.pipeline import Models, build_engine
+
+    store = PosixStore()
+    engine = build_engine(load_pipeline("qwen3_omni"), Models.build(), store)
+    latencies: dict[str, list[float]] = {"fresh": [], "reused": []}
+    rng = random.Random(0)
+    todo = list(range(requests))
+
+    async def client(c: int) -> None:
+        previous: str | None = None
+        while todo:
+            n = todo.pop()
+            reuse = previous is not None and rng.random() < reuse_fraction
+            rid = previous if reuse and previous is not None else f"c{c}-{n}"
+            start = time.perf_counter()
+            async for out in generate(engine, REUSE_TEXT, ("audio",), request_id=rid):
+                if out.finished and out.error is not None:
+                    raise RuntimeError(f"request {rid} failed: {out.error}")
+            latencies["reused" if reuse else "fresh"].append(time.perf_counter() - start)
+            previous = rid
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            async with trio.open_nursery() as clients:
+                for c in range(concurrency):
+                    clients.start_soon(client, c)
+            await engine.drain()
+            engine.shutdown()
+
+    try:
+        trio.run(main)
+    finally:
+        store.sweep()
+    row = {
+        "requests": requests,
+        "concurrency": concurrency,
+        "reused": len(latencies["reused"]),
+        "fresh_p50_ms": round(statistics.median(latencies["fresh"]) * 1000, 1),
+        "reused_p50_ms": round(statistics.median(latencies["reused"]) * 1000, 1) if latencies["reused"] else None,
+    }
+    if row["reused_p50_ms"] is not None:
+        row["ratio"] = round(row["reused_p50_ms"] / row["fresh_p50_ms"], 2)
+    print(
+        f"{requests} requests, {concurrency} at a time, {row['reused']} on a reused id: p50 fresh "
+        f"{row['fresh_p50_ms']} ms, reused {row['reused_p50_ms']} ms (ratio {row.get('ratio')})"
+    )
+    return row
+
+
 def _payload(label: str, i: int) -> dict[str, Any]:
     dtype, shape, _ = SIZES[label]
     t = torch.randint(0, 4096, shape, dtype=dtype) if dtype == torch.int64 else torch.rand(shape, dtype=dtype)
@@ -170,15 +230,64 @@ async def _bench_connector(labels: list[str], scale: float) -> list[dict[str, An
 
 
 def bench_connector(labels: list[str], scale: float) -> list[dict[str, Any]]:
+    """put+get for each size, with the frames' checksum and without one (in the same run, best of
+    three rounds each), next to a plain copy of the same bytes: what the checksum costs."""
     torch.set_num_threads(1)
-    rows = trio.run(_bench_connector, labels, scale)
-    print(f"{'size':>7} {'reps':>5} {'put us':>10} {'get us':>10} {'total us':>10} {'GB/s':>6}")
+    # Three rounds, each measuring with and without the checksum, so drift hits both alike.
+    rounds = [(trio.run(_bench_connector, labels, scale), _unchecked(labels, scale)) for _ in range(3)]
+    rows = [min((r[0][i] for r in rounds), key=lambda row: row["total_us"]) for i in range(len(labels))]
+    bare_by_size = {label: min(r[1][i]["total_us"] for r in rounds) for i, label in enumerate(labels)}
+    print(
+        f"{'size':>7} {'reps':>5} {'put us':>10} {'get us':>10} {'total us':>10} {'GB/s':>6} "
+        f"{'unchecked':>10} {'checksum':>9} {'memcpy GB/s':>12}"
+    )
     for r in rows:
+        bare = bare_by_size[r["size"]]
+        r["total_us_unchecked"] = bare
+        r["checksum_overhead_pct"] = round((r["total_us"] / bare - 1) * 100, 1)
+        r["memcpy_GBps"] = _memcpy_gbps(r["tensor_bytes"])
         print(
             f"{r['size']:>7} {r['reps']:>5} {r['put_us']:>10.1f} {r['get_us']:>10.1f} {r['total_us']:>10.1f} "
-            f"{r['GBps']:>6.2f}"
+            f"{r['GBps']:>6.2f} {bare:>10.1f} {r['checksum_overhead_pct']:>8.1f}% {r['memcpy_GBps']:>12.2f}"
         )
     return rows
+
+
+def _unchecked(labels: list[str], scale: float) -> list[dict[str, Any]]:
+    """The same measurement with no checksum computed or read anywhere."""
+    from runtime.connectors import wire
+
+    digest, source_checksum = wire.new_digest, wire.FrameDecoder.checksum
+    wire.new_digest = _NoDigest  # type: ignore[assignment]
+    wire.FrameDecoder.checksum = lambda self: 0  # type: ignore[method-assign]
+    try:
+        return trio.run(_bench_connector, labels, scale)
+    finally:
+        wire.new_digest, wire.FrameDecoder.checksum = digest, source_checksum  # type: ignore[method-assign]
+
+
+class _NoDigest:
+    """A checksum that costs nothing (and checks nothing): the baseline the checksum is measured on."""
+
+    def update(self, data: object) -> None:
+        return None
+
+    def intdigest(self) -> int:
+        return 0
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    """A plain copy of ``nbytes`` between two buffers (median of a few), in GB/s."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(max(3, min(50, (64 << 20) // max(nbytes, 1)))):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return round(nbytes / statistics.median(times) / 1e9, 2)
 
 
 def upstream_script(given: str | None) -> str:
@@ -224,6 +333,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.what in ("pipeline", "all"):
         print("== one ~10 s utterance through the real pipeline (real kernel, /dev/shm, CPU)")
         payload["pipeline"] = bench_pipeline(args.runs)
+    if args.what in ("reuse", "all"):
+        print("== request latency on fresh and reused ids under a concurrent load (10 % reuse)")
+        payload["reuse"] = bench_reuse(args.requests, args.concurrency)
     labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in labels if s not in SIZES]
     if unknown:

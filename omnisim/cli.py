@@ -23,15 +23,15 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import textwrap
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from omnisim.base import STORES, UsageError, is_interrupt
+from omnisim.base import STORES, CommandFailed, UsageError, is_interrupt, writable_dir, writable_file
 
 DEFAULT_BUDGET = 200
 REPORT_DIR = "reports/latest"
@@ -42,10 +42,6 @@ STRATEGIES = ("random", "pct", "ordered", "hypothesis")
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
-
-
-class CommandFailed(Exception):
-    """The command ran and its subject failed (a pipeline request): one line, exit status 1."""
 
 
 # == arguments ====================================================================================
@@ -90,30 +86,6 @@ class _ParamAction(argparse.Action):
         if not sep or not name:
             raise UsageError(f"--param wants NAME=VALUE, got {value!r}")
         setattr(namespace, self.dest, {**getattr(namespace, self.dest), name: val})
-
-
-def writable_dir(path: str) -> str:
-    """Prove that files can be written into folder ``path`` — itself if it exists, else the
-    nearest folder above it, where it would be made — without leaving anything behind."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"cannot write to {path!r}: {existing!r} is not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise UsageError(f"cannot write to {path!r}: {e.strerror or e}") from None
-    return path
-
-
-def writable_file(path: str) -> str:
-    """Prove ``path`` can be written (see :func:`writable_dir`) without creating anything."""
-    if os.path.isdir(path):
-        raise UsageError(f"{path!r} is a directory, not a file")
-    writable_dir(os.path.dirname(os.path.abspath(path)))
-    return path
 
 
 def _examples(*lines: str) -> str:
@@ -284,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "what",
-        choices=("schedules", "pipeline", "connector", "all"),
+        choices=("schedules", "pipeline", "connector", "reuse", "all"),
         nargs="?",
         default="all",
         help="which benchmark (default: %(default)s)",
@@ -294,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sizes", default="6.4KB,1MiB,16MiB,128MiB", help="payload sizes for `connector`")
     sp.add_argument("--reps-scale", type=positive_float, default=1.0, help="scale the connector's repetitions")
     sp.add_argument("--runs", type=positive_int, default=5, help="requests each way for `pipeline`")
+    sp.add_argument("--requests", type=positive_int, default=200, help="requests for `reuse`")
+    sp.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time for `reuse`")
     sp.add_argument(
         "--upstream",
         action="store_true",
@@ -305,6 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the upstream timing script (default: shared/bench/upstream_shm.py next to or inside this checkout)",
     )
     sp.set_defaults(func=cmd_bench, needs_registry=True, plugin=[])
+
+    sp = sub.add_parser(
+        "sweep",
+        help="remove what dead omnisim processes left in /dev/shm",
+        description="Remove every omnisim namespace in /dev/shm whose owner process is dead (its pid is gone, or "
+        "belongs to a newer process): segments, lock files, wakeup folders, owner records. A live owner's "
+        "namespace, one whose owner cannot be judged (another pid namespace), names that are not ours and "
+        "ownerless names younger than a minute are left alone and listed.",
+        epilog=_examples("omnisim sweep --dry-run", "omnisim sweep --json"),
+    )
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    _add_json(sp)
+    sp.set_defaults(func=cmd_sweep, needs_registry=False, plugin=[])
 
     sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
     psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser, metavar="COMMAND")
@@ -638,6 +625,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import trio
+
+    from runtime.connectors.namespaces import ProcTable, ShmDirectory, sweep
+
+    report = trio.run(lambda: sweep(ShmDirectory(time.time), ProcTable(), dry_run=args.dry_run))
+    verb = "would remove" if args.dry_run else "removed"
+    human = [f"{verb} {name}" for name in report.removed]
+    human += [f"kept {ns}: its owner lives" for ns in report.live]
+    human += [f"kept {ns}: its owner is in another pid namespace" for ns in report.unjudged]
+    human += [f"kept {ns}: no owner record, and younger than a minute" for ns in report.young_orphans]
+    human += [f"left alone {name}: not ours" for name in report.foreign]
+    human += [f"could not remove {error}" for error in report.errors]
+    human.append(f"{len(report.removed)} name(s) {verb}")
+    _emit(args, human, report.as_dict() | {"dry_run": args.dry_run})
+    return EXIT_OK
+
+
 def cmd_pipeline(args: argparse.Namespace) -> int:
     """One request through the real pipeline on the real kernel and /dev/shm."""
     from omnisim.pipeline_cli import run_pipeline
@@ -673,8 +678,14 @@ class _Signals:
             # KeyboardInterrupt, so raise one here.
             raise KeyboardInterrupt
         # Exactly what SIGINT would have done at this instruction (trio's handler defers the
-        # interrupt if it landed inside trio's own machinery).
-        on_int(signal.SIGINT, frame)
+        # interrupt if it landed inside trio's own machinery) — unless that handler belongs to a
+        # trio run that is being torn down, which cannot take it any more.
+        try:
+            on_int(signal.SIGINT, frame)
+        except KeyboardInterrupt:
+            raise
+        except Exception:
+            raise KeyboardInterrupt from None
 
     @contextmanager
     def installed(self) -> Iterator[_Signals]:
@@ -723,8 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"omnisim: {e}", file=sys.stderr)
             return EXIT_VIOLATION
         except BaseException as e:
-            if is_interrupt(e):
-                return _interrupted(signals)
+            if is_interrupt(e) or signals.terminated:
+                return _interrupted(signals)  # after a SIGTERM, whatever follows is the stop
             if not isinstance(e, Exception):
                 raise
             if verbose:

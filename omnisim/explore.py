@@ -25,6 +25,7 @@ from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
+from omnisim.world import sweep_made_stores
 from runtime.kernel import use_kernel
 
 STRATEGIES = ("random", "pct", "ordered", "hypothesis")
@@ -131,16 +132,16 @@ async def run_once_async(
     single_threaded()
     config = scn.params_for(seed, params)
     kernel = SimKernel(strategy, faults=scn.faults(seed), horizon_s=scn.horizon_s)
-    with use_kernel(kernel):
-        world = scn.make_world(store, config)
-        world.seed = seed
     try:
+        with use_kernel(kernel):
+            world = scn.make_world(store, config)
+            world.seed = seed
         outcome = await kernel.run_async(lambda: world.run(scn.body))
         # A run the ordering cut short proves nothing about the runtime: it is reported as
         # unsatisfied instead of being checked.
         violations = [] if outcome.stop_reason == "unsatisfiable" else check(world.observed(outcome), scn.invariants)
     finally:
-        world.sweep()
+        sweep_made_stores()  # whatever the run made, even if it was stopped while building
     lines = outcome.trace_lines()
     return RunResult(
         scenario=scn.name,

@@ -1,16 +1,30 @@
 """Fault plans: named faults fired at named points, chosen up front or sampled BUGGIFY-style.
 
-A fault is an exception raised out of a point, of the very type the real failure produces, so
-the runtime handles an injected fault exactly as it handles the real one:
+Most faults are an exception raised out of a point, of the very type the real failure produces,
+so the runtime handles an injected fault exactly as it handles the real one. The others act on
+the world (the simulator carries them out, see :meth:`omnisim.world.World.apply_fault`):
 
 =========================  ====================  =============================================
-kind                       fires at              what the runtime sees
+kind                       fires at (default)    what happens
 =========================  ====================  =============================================
 ``put_fail``               ``shm.put.begin``     a storage error: ``put`` reports failure
-``store_full``             ``shm.put.locked``    ENOSPC before the segment exists
+``store_full``             ``shm.put.locked``    ENOSPC (space) before the segment exists
+``enospc_inodes``          ``shm.put.begin``     ENOSPC (inodes): no lock file can be made
+``foreign_name``           ``shm.put.locked``    the segment's name is taken by a foreign object
 ``put_raise_after_create`` ``shm.put.written``   ``put`` raises with the segment left behind
 ``decode_fail``            ``shm.get.consumed``  the bytes were taken but do not decode
+``crash_writer``           ``shm.put.written``   the writing task's process dies there (SIGKILL):
+                                                 no ``finally`` runs, its locks are released,
+                                                 what it wrote stays
+``crash_reader``           ``shm.get.locked``    the reading task's process dies there
+``stall``                  ``shm.get.locked``    the task hangs there for good (SIGSTOP of a
+                                                 thread): its process lives and keeps its locks
+``corrupt_bytes``          ``shm.put.committed`` a byte of the committed segment flips
+``forged_frame``           ``shm.put.committed`` the segment is replaced by a forged frame: valid
+                                                 trailer and checksum, overlapping buffers
 =========================  ====================  =============================================
+
+``at`` moves a fault to another point (``crash_writer`` at ``shm.put.created``, say).
 """
 
 from __future__ import annotations
@@ -19,7 +33,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.connectors.stores import StoreError, StoreFull
+from runtime.connectors.stores import ForeignName, StoreError, StoreFull
 from runtime.connectors.wire import WireDecodeError
 from runtime.kernel import Attr
 
@@ -40,11 +54,22 @@ def _key(attrs: dict[str, Attr]) -> str:
     return str(attrs.get("key"))
 
 
-FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException]]] = {
+#: kind -> (default point, the exception it raises; None: an action the world carries out).
+FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | None]] = {
     "put_fail": ("shm.put.begin", lambda a: InjectedStoreError(f"injected put failure for {_key(a)}")),
     "store_full": ("shm.put.locked", lambda a: StoreFull(_key(a), 0)),
+    "enospc_inodes": ("shm.put.begin", lambda a: StoreFull(_key(a), 0, inodes=True)),
+    "foreign_name": (
+        "shm.put.locked",
+        lambda a: ForeignName(f"cannot create segment {_key(a)!r}: its name is taken by something that is not ours"),
+    ),
     "put_raise_after_create": ("shm.put.written", lambda a: InjectedCrash(f"injected raise after creating {_key(a)}")),
     "decode_fail": ("shm.get.consumed", lambda a: InjectedDecodeError(f"injected decode failure for {_key(a)}")),
+    "crash_writer": ("shm.put.written", None),
+    "crash_reader": ("shm.get.locked", None),
+    "stall": ("shm.get.locked", None),
+    "corrupt_bytes": ("shm.put.committed", None),
+    "forged_frame": ("shm.put.committed", None),
 }
 
 
@@ -61,6 +86,8 @@ class Fault:
     match: dict[str, str] = field(default_factory=dict)
     nth: int = 1
     probability: float | None = None
+    #: The point it fires at, if not its kind's default.
+    at: str | None = None
     hits: int = 0
 
     def __post_init__(self) -> None:
@@ -69,10 +96,12 @@ class Fault:
 
     @property
     def point(self) -> str:
-        return FAULT_KINDS[self.kind][0]
+        return self.at or FAULT_KINDS[self.kind][0]
 
-    def exception(self, name: str, attrs: dict[str, Attr]) -> BaseException:
-        return FAULT_KINDS[self.kind][1](attrs)
+    def exception(self, name: str, attrs: dict[str, Attr]) -> BaseException | None:
+        """The exception this fault raises at ``name``; None for a fault the world acts out."""
+        make = FAULT_KINDS[self.kind][1]
+        return None if make is None else make(attrs)
 
 
 class FaultPlan:

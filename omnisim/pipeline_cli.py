@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
+import time
 import uuid
 import wave
 from typing import Any
 
-from omnisim.base import UsageError
-from omnisim.cli import CommandFailed, writable_file
+from omnisim.base import CommandFailed, UsageError, writable_file
+from runtime.connectors.stores import StoreError
+
+log = logging.getLogger(__name__)
 
 #: A text longer than this gets a progress bar (on a terminal): it takes more than a few seconds.
 PROGRESS_FROM_CHARS = 200
@@ -34,6 +38,17 @@ def _modalities(text: str) -> tuple[str, ...]:
     if not modalities or not modalities <= {"text", "audio"}:
         raise UsageError(f"--modalities takes text and/or audio, got {text!r}")
     return tuple(sorted(modalities))
+
+
+def reclaim_dead_namespaces() -> None:
+    """What an engine does at start-up: sweep what dead omnisim processes left in /dev/shm."""
+    import trio
+
+    from runtime.connectors.namespaces import ProcTable, ShmDirectory, sweep
+
+    report = trio.run(lambda: sweep(ShmDirectory(time.time), ProcTable()))
+    if report.removed:
+        log.warning("start-up sweep: removed %d name(s) dead processes left in /dev/shm", len(report.removed))
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[str, ...]:
@@ -94,7 +109,12 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     config = load_pipeline("qwen3_omni")
     if args.async_chunk == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
-    store = make_store(args.store)
+    if args.store == "posix":
+        reclaim_dead_namespaces()
+    try:
+        store = make_store(args.store)
+    except StoreError as e:
+        raise CommandFailed(f"cannot use /dev/shm: {e}") from None
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:

@@ -126,6 +126,8 @@ class Mutant:
     patches: Callable[[], Iterator[Patch]]
     #: Scenarios expected to detect it (used by ``omnisim mutants``).
     scenarios: tuple[str, ...] = field(default=())
+    #: The invariants it must trip: a run counts as a detection only if one of them fails.
+    expect: tuple[str, ...] = field(default=())
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -172,14 +174,15 @@ def scenario(
 
 
 def mutant(
-    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...]
+    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...], expect: tuple[str, ...] = ()
 ) -> Callable[[Callable[[], Iterator[Patch]]], Callable[[], Iterator[Patch]]]:
-    """Register the decorated generator of :class:`Patch` es as mutant ``name``."""
+    """Register the decorated generator of :class:`Patch` es as mutant ``name``, found by
+    ``scenarios`` when one of the ``expect`` invariants fails."""
 
     def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
         if name in MUTANTS:
             raise UsageError(f"mutant {name!r} is registered twice")
-        MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios)
+        MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios, expect)
         return patches
 
     return register

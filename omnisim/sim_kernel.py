@@ -13,14 +13,20 @@ ends when every task has finished, or is stopped with a reason:
 * ``horizon`` — the next wake-up is past the time horizon (a hang through time);
 * ``unsatisfiable`` — the strategy's ordering constraints forbid every runnable task;
 * ``step-limit`` — too many scheduling decisions (a livelock).
+
+Tasks belong to *processes* (a task is in its parent's process unless started with
+:meth:`SimKernel.as_process`). :meth:`SimKernel.kill_process` is SIGKILL: every task of the
+process stops where it is, for good — it is never scheduled again, its groups stop waiting for
+it, and whatever it raises while the world is unwound at the end is not the runtime's doing.
 """
 
 from __future__ import annotations
 
+import contextvars
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -30,8 +36,12 @@ from invariants.observed import TaskState, TraceEvent
 from runtime.kernel import Attr, KTaskGroup, use_kernel
 
 if TYPE_CHECKING:
-    from omnisim.faults import FaultPlan
+    from omnisim.faults import Fault, FaultPlan
     from omnisim.strategies.base import Strategy
+
+#: Carries out a fault that is an action on the world rather than an exception (a crash, bytes
+#: flipped); called on the task that reached the point.
+FaultAction = Callable[["Fault", "SimTask", dict[str, Attr]], None]
 
 T = TypeVar("T")
 
@@ -39,10 +49,20 @@ READY = "ready"
 BLOCKED = "blocked"
 SLEEPING = "sleeping"
 DONE = "done"
+KILLED = "killed"
+MAIN_PROCESS = "main"
 
 
 def _us(seconds: float) -> int:
     return max(0, round(seconds * 1_000_000))
+
+
+#: The simulated task a trio task runs (each trio task has its own context).
+_running: contextvars.ContextVar[SimTask] = contextvars.ContextVar("omnisim_sim_task")
+
+
+class _Killed(BaseException):
+    """Raised to a killed task that is being unwound, at its next kernel call."""
 
 
 def _split_crash(e: BaseException) -> tuple[Exception | None, BaseException | None]:
@@ -63,6 +83,7 @@ class SimTask:
     name: str
     fn: Callable[[], Awaitable[object]]
     group: _SimGroup | None
+    process: str = MAIN_PROCESS
     state: str = READY
     trio_task: trio.lowlevel.Task | None = None
     go: bool = False
@@ -70,6 +91,8 @@ class SimTask:
     waiting_for: str = ""
     wake_at: int | None = None
     notified: bool = False
+    #: Cancelled to unwind the task once it was killed and its group moves on.
+    scope: trio.CancelScope | None = None
 
     def describe(self) -> TaskState:
         if self.state == READY:
@@ -91,6 +114,12 @@ class _SimGroup:
         task = self.kernel._register(fn, name, self)
         self.live += 1
         self.nursery.start_soon(self.kernel._run_task, task, name=name)
+
+    def lost(self) -> None:
+        """One of the group's tasks finished, or its process was killed."""
+        self.live -= 1
+        if self.live == 0 and self.waiter is not None and self.waiter.state != KILLED:
+            self.waiter.state = READY
 
 
 class _SimLock:
@@ -114,6 +143,11 @@ class _SimLock:
         await k._yield(me)  # ownership is handed over by the releasing task
 
     async def __aexit__(self, *exc: object) -> None:
+        running = _running.get(None)
+        if running is not None and running.state == KILLED:
+            return  # a dead process's lock: nobody alive waits for it
+        while self.waiters and self.waiters[0].state == KILLED:
+            self.waiters.popleft()
         if self.waiters:
             nxt = self.waiters.popleft()
             self.owner = nxt
@@ -130,7 +164,7 @@ class _SimSignal:
 
     def notify(self) -> None:
         for task in self.waiters:
-            if task.state != DONE:
+            if task.state not in (DONE, KILLED):
                 task.state = READY
                 task.wake_at = None
                 task.notified = True
@@ -179,9 +213,11 @@ class SimKernel:
         faults: FaultPlan | None = None,
         horizon_s: float = 30.0,
         max_steps: int = 200_000,
+        fault_action: FaultAction | None = None,
     ) -> None:
         self.strategy = strategy
         self.faults = faults
+        self.fault_action = fault_action
         self.horizon_us = _us(horizon_s)
         self.max_steps = max_steps
         self.clock_us = 0
@@ -197,6 +233,9 @@ class SimKernel:
         self._stopped_tasks: list[TaskState] = []
         self._stop_detail = ""
         self._root_scope: trio.CancelScope | None = None
+        #: The process new tasks are started in (see :meth:`as_process`); None: their parent's.
+        self._spawning: str | None = None
+        self.killed: list[SimTask] = []
 
     # == running a world =========================================================================
 
@@ -227,17 +266,57 @@ class SimKernel:
 
     def _register(self, fn: Callable[[], Awaitable[object]], name: str, group: _SimGroup | None) -> SimTask:
         self._next_tid += 1
-        task = SimTask(self._next_tid, name, fn, group)
+        process = self._spawning or (group.owner.process if group is not None else MAIN_PROCESS)
+        task = SimTask(self._next_tid, name, fn, group, process)
         self.tasks.append(task)
         return task
 
+    # == processes ===============================================================================
+
+    @contextmanager
+    def as_process(self, process: str) -> Iterator[None]:
+        """Tasks started inside the block belong to ``process`` (and so do their children)."""
+        outer, self._spawning = self._spawning, process
+        try:
+            yield
+        finally:
+            self._spawning = outer
+
+    def freeze(self, task: SimTask) -> None:
+        """``task`` hangs for good (a stopped thread): it keeps whatever it holds, and its
+        process lives on. Killing its process later takes it along."""
+        self._emit(task, "kernel.killed", {"process": task.process})
+        task.state = KILLED
+        task.wake_at = None
+        task.waiting_for = "nothing: it hangs for good"
+        self.tasks.remove(task)
+        self.killed.append(task)
+
+    def kill_process(self, process: str) -> None:
+        """SIGKILL: every task of ``process`` stops where it is and is never scheduled again. The
+        caller may be one of them (it then never returns from its next kernel call)."""
+        self._emit(self._me(), "process.killed", {"process": process})
+        for task in [t for t in self.tasks if t.process == process]:
+            self._emit(task, "kernel.killed", {"process": process})
+            task.state = KILLED
+            task.wake_at = None
+            task.waiting_for = f"nothing: process {process} was killed"
+            self.tasks.remove(task)
+            self.killed.append(task)
+            if task.group is not None:
+                task.group.lost()
+
     async def _run_task(self, task: SimTask) -> None:
         task.trio_task = trio.lowlevel.current_task()
+        _running.set(task)
         if not task.go:
             await self._park()
         try:
-            await task.fn()
+            with trio.CancelScope() as task.scope:
+                await task.fn()
         except BaseException as e:
+            if task.state == KILLED:
+                return  # a killed process being unwound: nothing of it ran any more
             # An exception of the code under test is a crash: it is recorded and the world goes
             # on (as a dying thread would leave the rest running). Anything else — the world's
             # own cancellation, a KeyboardInterrupt, SystemExit — is not the runtime's doing:
@@ -251,21 +330,26 @@ class SimKernel:
                     self._stop("interrupted", f"{task.name} raised {type(rest).__name__}")
                 raise rest from None
         finally:
-            task.state = DONE
-            self.tasks.remove(task)
-            group = task.group
-            if group is not None:
-                group.live -= 1
-                if group.live == 0 and group.waiter is not None:
-                    group.waiter.state = READY
-            if not self._stopping:
-                nxt = self._decide()
-                if nxt is not None:
-                    self._switch_to(nxt)
+            # A killed task being unwound takes no decision: the task whose group let it go
+            # holds the baton, and trio hands it back once this one is gone.
+            if task.state != KILLED:
+                task.state = DONE
+                self.tasks.remove(task)
+                if task.group is not None:
+                    task.group.lost()
+                if not self._stopping:
+                    nxt = self._decide()
+                    if nxt is not None:
+                        self._switch_to(nxt)
+                    elif not self.tasks and self.killed:
+                        self._unwind_killed()
 
     # == the scheduling core =====================================================================
 
     def _me(self) -> SimTask:
+        running = _running.get(None)
+        if running is not None and running.state == KILLED:
+            raise _Killed  # a killed task being unwound: nothing it does reaches the world
         assert self.current is not None, "kernel primitive used outside a simulated task"
         return self.current
 
@@ -288,6 +372,8 @@ class SimKernel:
             return
         if nxt is not None:
             self._switch_to(nxt)
+        elif me.state == KILLED and not self._stopping:
+            self._unwind_killed()  # it was the last live task
         await self._park()
 
     def _decide(self) -> SimTask | None:
@@ -322,6 +408,12 @@ class SimKernel:
                     t.wake_at = None
                     t.state = READY
 
+    def _unwind_killed(self) -> None:
+        """Every live task is done: unwind the killed ones (parked for good) so trio can end."""
+        self._stopping = True
+        assert self._root_scope is not None
+        self._root_scope.cancel()
+
     def _stop(self, reason: str, detail: str) -> None:  # returns None so _decide can return it
         if not self._stopping:
             self._stopping = True
@@ -348,10 +440,18 @@ class SimKernel:
             fault = self.faults.fire(name, attrs)
             if fault is not None:
                 self._emit(me, "fault", {"kind": fault.kind, "at": name})
-                raise fault.exception(name, attrs)
+                error = fault.exception(name, attrs)
+                if error is not None:
+                    raise error
+                assert self.fault_action is not None, f"fault {fault.kind} needs a world to act it out"
+                self.fault_action(fault, me, attrs)
+                if me.state == KILLED:
+                    await self._yield(me)  # never returns: the process is gone
 
     def note(self, name: str, /, **attrs: Attr) -> None:
-        self._emit(self._me(), name, attrs)
+        running = _running.get(None)
+        if running is None or running.state != KILLED:
+            self._emit(self._me(), name, attrs)
 
     def now(self) -> float:
         return self.clock_us / 1e6
@@ -387,6 +487,10 @@ class SimKernel:
                 me.waiting_for = f"{group.live} child task(s) to finish"
                 group.waiter = me
                 await self._yield(me)
+            # Killed children are parked for good; trio's nursery still waits for them.
+            for task in self.killed:
+                if task.group is group and task.scope is not None:
+                    task.scope.cancel()
 
     async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
         return fn()

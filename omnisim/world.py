@@ -1,23 +1,32 @@
-"""A simulated world: stage processes over one store, their client streams, and what is observed.
+"""A simulated world: stage processes over stores, their client streams, and what is observed.
 
-A stage "process" owns its own connector and adapter and runs its loops as tasks; a world owns
-the store (in memory, or real /dev/shm under a fresh namespace) and sweeps it afterwards.
+A stage "process" owns its own connector and adapter and runs its loops as tasks. By default the
+stages share the world's own process and its store (in memory, or real /dev/shm under a fresh
+namespace), as the stages of one engine process do. A stage added with ``own_process=True`` is a
+process of its own, as a stage of a multi-process deployment is: it writes into a namespace it
+owns, the stage after it reads from there, and :meth:`World.crash` kills it like SIGKILL (see
+:mod:`omnisim.processes`). The world sweeps every namespace afterwards.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim.base import STORES, UsageError
-from omnisim.sim_kernel import SimOutcome
+from omnisim.faults import Fault, FaultPlan
+from omnisim.processes import ProcessStore, SimProcesses, corrupt_segment, forge_segment
+from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
+from runtime.connectors import namespaces
+from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.connectors.wakeup import LocalWakeups
-from runtime.kernel import current_kernel
+from runtime.kernel import Attr, current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
 #: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
@@ -25,12 +34,27 @@ from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 QUIESCE_S = 0.25
 
 
-def make_store(kind: str) -> Store:
+#: Every POSIX store made for a simulated world and not yet swept: a run interrupted while its
+#: world was being built still has its namespaces removed (see :func:`sweep_made_stores`).
+_made: list[PosixStore] = []
+
+
+def make_store(kind: str, owner: Owner | None = None) -> Store:
+    """A fresh namespace of the given kind; ``owner`` is the simulated process that owns it (a
+    POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone)."""
     if kind == "memory":
-        return MemoryStore()
+        return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner)
     if kind == "posix":
-        return PosixStore()
+        store = PosixStore()
+        _made.append(store)
+        return store
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
+
+
+def sweep_made_stores() -> None:
+    """Remove every namespace :func:`make_store` made and nobody swept yet."""
+    while _made:
+        _made.pop().sweep()
 
 
 @dataclass
@@ -38,14 +62,23 @@ class Stage:
     stage_id: int
     connector: ShmConnector
     adapter: ChunkTransferAdapter
+    #: The simulated process the stage runs in.
+    process: str = MAIN_PROCESS
 
 
 class World:
     """The stages of one run and the client streams they serve."""
 
     def __init__(self, store_kind: str) -> None:
-        self.store = make_store(store_kind)
         self.store_kind = store_kind
+        self.processes = SimProcesses()
+        #: Process name -> its identity, its store, and its handle on that store.
+        self.owners: dict[str, Owner] = {MAIN_PROCESS: self.processes.spawn()}
+        self.store = make_store(store_kind, self.owners[MAIN_PROCESS])
+        #: Every namespace of the run: namespace -> (its store, the process that owns it).
+        self.namespaces: dict[str, tuple[Store, str]] = {self.store.namespace: (self.store, MAIN_PROCESS)}
+        #: Each simulated process's handles on stores (its own, and the one it reads from).
+        self.handles: dict[str, list[ProcessStore]] = {}
         self.wakeups = LocalWakeups()
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
@@ -55,28 +88,145 @@ class World:
         self.probe_failures: dict[str, list[str]] = {}
         #: Further components whose residue() the snapshots include (e.g. a scheduler).
         self.components: dict[str, Any] = {}
-        #: What runs for the whole run, by name: ``(run, shutdown)`` (every stage's adapter loops).
-        self.services: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = {}
+        #: What runs for the whole run, by name: ``(run, shutdown, process)`` (every stage's loops).
+        self.services: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None], str]] = {}
         #: The scenario configuration this run explores (see ``omnisim.registry.Param``).
         self.params: dict[str, str] = {}
         #: The run's seed, for workload choices a scenario draws (e.g. when to shut down).
         self.seed = 0
+        #: Virtual time each process died at.
+        self.deaths: dict[str, float] = {}
+        #: A task hangs for good (a ``stall`` fault fired).
+        self.stalled = False
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
         """Record a violation of ``invariant`` seen by the scenario itself during the run."""
         if not ok:
             self.probe_failures.setdefault(invariant, []).append(message)
 
+    # -- stages and processes --------------------------------------------------------------------
+
     def add_stage(
-        self, stage_id: int, *, processor: Processor | None = None, receives: bool = True, sends: bool = True
+        self,
+        stage_id: int,
+        *,
+        processor: Processor | None = None,
+        receives: bool = True,
+        sends: bool = True,
+        own_process: bool = False,
     ) -> Stage:
-        connector = ShmConnector(self.store, stage_id=stage_id, wakeups=self.wakeups)
+        process = MAIN_PROCESS
+        store: Store = self.store
+        if own_process:
+            process = f"stage{stage_id}"
+            owner = self.owners[process] = self.processes.spawn()
+            raw = make_store(self.store_kind, owner)
+            self.namespaces[raw.namespace] = (raw, process)
+            store = self._handle(process, raw)
+        upstream = self.stages.get(stage_id - 1)
+        producer = upstream.process if upstream is not None else MAIN_PROCESS
+        connector = ShmConnector(
+            store,
+            stage_id=stage_id,
+            wakeups=self.wakeups,
+            # This stage reads the producer's namespace through its own process's handle: what
+            # it holds there goes when this process dies, not when the producer does.
+            upstream=self._handle(process, self._raw(upstream.connector.store)) if upstream is not None else None,
+            upstream_alive=lambda: self.processes.alive(self.owners[producer]),
+        )
         adapter = ChunkTransferAdapter(
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
-        stage = self.stages[stage_id] = Stage(stage_id, connector, adapter)
-        self.services[f"stage{stage_id}"] = (adapter.run, adapter.shutdown)
+        stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
+        self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
+
+    def _raw(self, store: Store) -> Store:
+        return store.store if isinstance(store, ProcessStore) else store
+
+    def _handle(self, process: str, store: Store) -> Store:
+        """``process``'s handle on ``store`` (the store itself for the world's own process)."""
+        if process == MAIN_PROCESS:
+            return store
+        owner = self.owners[process]
+        handle = ProcessStore(store, owner)
+        self.handles.setdefault(process, []).append(handle)
+        return handle
+
+    def add_service(
+        self, name: str, run: Callable[[], Awaitable[None]], shutdown: Callable[[], None], process: str = MAIN_PROCESS
+    ) -> None:
+        """Something that runs for the whole run (in ``process``) and is shut down at its end."""
+        self.services[name] = (run, shutdown, process)
+
+    def inject(self, faults: FaultPlan | None) -> None:
+        """The fault plan of this run (a scenario whose faults depend on its configuration)."""
+        kernel = current_kernel()
+        assert isinstance(kernel, SimKernel)
+        kernel.faults = faults
+
+    def crash(self, process: str) -> None:
+        """SIGKILL ``process``: its tasks stop for good, the locks it held are released, what it
+        wrote stays; its memory (adapter, connector state) is gone from the snapshots."""
+        if process == MAIN_PROCESS or process not in self.handles:
+            raise UsageError(f"cannot crash process {process!r}: only a stage with its own process can die")
+        kernel = current_kernel()
+        assert isinstance(kernel, SimKernel)
+        self.processes.kill(self.owners[process])
+        for handle in self.handles[process]:
+            handle.die()
+        self.deaths[process] = kernel.now()
+        for namespace, (_, owner) in self.namespaces.items():
+            if owner == process:
+                kernel.note("world.owner_died", ns=namespace)
+        kernel.kill_process(process)
+
+    def death_time(self, process: str) -> float | None:
+        return self.deaths.get(process)
+
+    def leave_dead_namespace(self, keys: list[str], *, reuse_pid_of: str) -> None:
+        """A namespace an engine that died earlier left behind (segments and lock files of
+        ``keys``), whose pid the live process ``reuse_pid_of`` has now: only its start time
+        tells the two apart."""
+        gone = Owner(self.owners[reuse_pid_of].pid, 0, self.owners[reuse_pid_of].pid_namespace)
+        self.owners["dead-engine"] = gone
+        store = make_store(self.store_kind, gone)
+        self.namespaces[store.namespace] = (store, "dead-engine")
+        current_kernel().note("world.owner_died", ns=store.namespace)
+        for key in keys:
+            segment = store.create_segment(key)
+            segment.reserve(64)
+            segment.close()
+            lock = store.open_lock(key, create=True)
+            if lock is not None:
+                lock.close()
+
+    def apply_fault(self, fault: Fault, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """Carry out a fault that acts on the world (see :mod:`omnisim.faults`)."""
+        key = str(attrs.get("key"))
+        if fault.kind in ("crash_writer", "crash_reader"):
+            self.crash(task.process)
+        elif fault.kind == "stall":
+            self.stalled = True
+            kernel = current_kernel()
+            assert isinstance(kernel, SimKernel)
+            kernel.freeze(task)
+        elif fault.kind in ("corrupt_bytes", "forged_frame"):
+            change = corrupt_segment if fault.kind == "corrupt_bytes" else forge_segment
+            for store, _ in self.namespaces.values():
+                if store.segment_exists(key):
+                    change(store, key)
+        else:
+            raise UsageError(f"fault {fault.kind!r} is not one the world acts out")
+
+    async def sweep_dead(self) -> SweepReport:
+        """What an operator's ``omnisim sweep`` does, on this world's namespaces: remove every one
+        whose owner is dead. Records a snapshot right after, for ``no-residue-after-sweep``."""
+        report = await namespaces.sweep(_WorldDirectory(self), self.processes)
+        self.snapshot("after sweep")
+        return report
+
+    # -- observing -------------------------------------------------------------------------------
 
     def stream(self, request_id: str, external_req_id: str) -> Stream:
         stream = self.streams[request_id] = Stream(request_id, external_req_id)
@@ -84,24 +234,35 @@ class World:
 
     def snapshot(self, label: str) -> None:
         residue = {}
+        dead = {name for name, owner in self.owners.items() if not self.processes.alive(owner)}
         for sid, stage in self.stages.items():
+            if stage.process in dead:
+                continue  # a dead process holds nothing in memory
             residue[f"stage{sid}.adapter"] = stage.adapter.residue()
             residue[f"stage{sid}.connector"] = stage.connector.residue()
         for name, component in self.components.items():
             residue[name] = component.residue()
-        store = StoreSnapshot(self.store.segments(), self.store.lock_files())
-        self.snapshots.append(Snapshot(label, {self.store_kind: store}, residue))
+        stores = {
+            f"{self.store_kind} {namespace}" + (" (owner dead)" if process in dead else ""): StoreSnapshot(
+                store.segments(), store.lock_files(), owner_dead=process in dead
+            )
+            for namespace, (store, process) in self.namespaces.items()
+        }
+        self.snapshots.append(Snapshot(label, stores, residue))
 
     async def run(self, body: Callable[[World], Awaitable[None]]) -> None:
         """Start every service, run the workload, let the world go idle, snapshot, shut down."""
         k = current_kernel()
+        assert isinstance(k, SimKernel)
+        k.fault_action = self.apply_fault
         async with k.task_group() as tasks:
-            for name, (run, _) in self.services.items():
-                tasks.start_soon(run, name=name)
+            for name, (run, _, process) in self.services.items():
+                with k.as_process(process):
+                    tasks.start_soon(run, name=name)
             await body(self)
             await k.sleep(QUIESCE_S)
             self.snapshot("quiescence")
-            for _, shutdown in self.services.values():
+            for _, shutdown, _ in self.services.values():
                 shutdown()
         self.snapshot("shutdown")
 
@@ -115,8 +276,34 @@ class World:
             stopped_tasks=outcome.stopped_tasks,
             crashes=outcome.crashes,
             probe_failures=self.probe_failures,
+            end_time_us=round(outcome.virtual_time_s * 1e6),
         )
 
-    def sweep(self) -> list[str]:
-        """Remove whatever the run left in its namespace (after the checks saw it)."""
-        return self.store.sweep()
+
+class _WorldDirectory:
+    """A world's namespaces as :func:`runtime.connectors.namespaces.sweep` sees a /dev/shm: each
+    owned by the simulated process that made it."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for namespace, (store, _) in sorted(self._world.namespaces.items()):
+            names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()] + ["owner"]
+            out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, math.inf) for n in names)
+        return out
+
+    def read_owner(self, namespace: str) -> Owner | None:
+        found = self._world.namespaces.get(namespace)
+        return self._world.owners[found[1]] if found is not None else None
+
+    def remove(self, name: str) -> None:
+        match = namespaces.NAME.fullmatch(name)
+        assert match is not None, name
+        store, _ = self._world.namespaces[match.group(1)]
+        kind, _, key = match.group(2).partition("-")
+        if kind == "seg":
+            store.unlink_segment(key)
+        elif kind == "lock":
+            store.remove_lock(key)

@@ -341,22 +341,25 @@ class Orchestrator:
         state.stream.put(terminal)
 
     async def _release_loop(self) -> None:
-        """Run the release sweeps; once shutting down, stop the stages when every request is
-        released or the grace period is over."""
+        """Start each request's release sweep as it ends — each on a task of its own, so a
+        reused id waits for its own sweep only, never behind other requests' — and, once shutting
+        down, stop the stages when every request is released or the grace period is over."""
         k = current_kernel()
         grace_ends: float | None = None
-        while True:
-            self._check_send_failures()
-            while self._to_release:
-                await self._release(self._to_release.popleft())
-            if self._stopping:
-                grace_ends = k.now() + SHUTDOWN_GRACE_S if grace_ends is None else grace_ends
-                if not self.requests or k.now() >= grace_ends:
-                    if self.requests:
-                        log.warning("shutdown: %d request(s) not released in time", len(self.requests))
-                    self._stop_stages()
-                    return
-            await self._release_needed.wait(IDLE_WAIT_S)
+        async with k.task_group() as sweeps:
+            while True:
+                self._check_failures()
+                while self._to_release:
+                    state = self._to_release.popleft()
+                    sweeps.start_soon(lambda state=state: self._release(state), name=f"orch.release.{state.request_id}")
+                if self._stopping:
+                    grace_ends = k.now() + SHUTDOWN_GRACE_S if grace_ends is None else grace_ends
+                    if not self.requests or k.now() >= grace_ends:
+                        if self.requests:
+                            log.warning("shutdown: %d request(s) not released in time", len(self.requests))
+                        self._stop_stages()
+                        return
+                await self._release_needed.wait(IDLE_WAIT_S)
 
     async def _release(self, state: RequestState) -> None:
         """The request-level sweep (spec §2.11), then the id is free for reuse."""
@@ -365,22 +368,28 @@ class Orchestrator:
                 await stage.adapter.release_shm_resources(state.request_id)
         # A give-up of this generation was recorded before its sweep ran (same save FIFO): read it
         # now, while the stage request ids still name this generation and not a reuse of the id.
-        self._check_send_failures()
+        self._check_failures()
         for sid, request in state.stage_requests.items():
             self._by_stage_request.pop((sid, request.request_id), None)
         if self.requests.get(state.request_id) is state:
             del self.requests[state.request_id]
         self._released.notify()
 
-    def _check_send_failures(self) -> None:
-        """A sender that gave up names the stage request (#4855 R1.2): fail its request."""
+    def _check_failures(self) -> None:
+        """A stage that gave up sending a chunk (#4855 R1.2), or received one that was corrupt,
+        names the stage request: fail its request."""
         for sid, stage in self.stages.items():
-            for request_id, reason in stage.adapter.collect_failed_send_request_ids().items():
-                state = self._by_stage_request.get((sid, request_id))
-                if state is None:
-                    log.warning("send failure for unknown request %s: %s", request_id, reason)
-                    continue
-                self._fail(state, f"stage {stage.spec.name} gave up sending: {reason}")
+            adapter = stage.adapter
+            for what, failed in (
+                ("gave up sending", adapter.collect_failed_send_request_ids()),
+                ("could not receive", adapter.collect_failed_receive_request_ids()),
+            ):
+                for request_id, reason in failed.items():
+                    state = self._by_stage_request.get((sid, request_id))
+                    if state is None:
+                        log.warning("failure of unknown request %s: %s", request_id, reason)
+                        continue
+                    self._fail(state, f"stage {stage.spec.name} {what}: {reason}")
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from scenarios import (  # noqa: F401
     codec,
     config_contract,
+    crash,
     input_wait,
     mutants_4855,
     mutants_6670,
     mutants_8082,
     mutants_codec,
+    mutants_dataplane,
     mutants_pipeline,
     pipeline,
     race_6670,

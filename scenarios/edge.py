@@ -173,11 +173,14 @@ async def fail(req: EdgeRequest, reason: str) -> None:
 
 
 async def check_failures(world: World) -> None:
-    """Drain the Talker's send-failure channel and fail the requests it names."""
-    failed = world.stages[TALKER].adapter.collect_failed_send_request_ids()
+    """Drain the send-failure channel of the Talker and the receive-failure channel of Code2Wav,
+    and fail the requests they name."""
+    sent = world.stages[TALKER].adapter.collect_failed_send_request_ids()
+    received = world.stages[CODE2WAV].adapter.collect_failed_receive_request_ids()
     for req in world.requests:
-        if req.sender.request_id in failed:
-            await fail(req, failed[req.sender.request_id])
+        reason = sent.get(req.sender.request_id) or received.get(req.receiver.request_id)
+        if reason is not None:
+            await fail(req, reason)
 
 
 async def together(*jobs: tuple[str, Callable[[], Awaitable[object]]]) -> None:

@@ -75,7 +75,7 @@ def send_failure_under_external_id() -> Iterator[Patch]:
     scenarios=("abort_with_terminal_queued", "pipeline_send_failure"),
 )
 def put_failure_not_recorded() -> Iterator[Patch]:
-    yield Patch(Adapter, "_put_failed", lambda self, task, key: None)
+    yield Patch(Adapter, "_put_failed", lambda self, task, key, cause: None)
 
 
 @mutant(

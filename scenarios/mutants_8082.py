@@ -6,8 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from omnisim.registry import Patch, mutant
+from runtime.connectors import wire
 from runtime.connectors.shm import ShmConnector
-from runtime.connectors.stores import LockFile
+from runtime.connectors.stores import LockFile, Segment
+from runtime.connectors.wire import WireDecodeError
 from runtime.kernel import current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 from runtime.transfer.adapter import CleanupTask, LoadEntry, SenderGeneration
@@ -293,11 +295,29 @@ def reap_no_rotate() -> Iterator[Patch]:
     scenarios=("deserialize_failure",),
 )
 def lock_removed_only_if_decoded() -> Iterator[Patch]:
-    def _remove_lock_after_read(self: ShmConnector, key: str, lock: LockFile, *, decoded: bool) -> None:
-        if decoded and lock.is_current():
-            self.store.remove_lock(key)
+    async def _consume(self: ShmConnector, key: str, segment: Segment, lock: LockFile) -> tuple[Any, int, Any]:
+        k = current_kernel()
+        size = segment.size
+        obj: Any = None
+        error: Exception | None = None
+        try:
+            await k.point("shm.get.locked", key=key)
+            try:
+                obj = await k.run_blocking(lambda: wire.decode(segment), cost=size)
+            except WireDecodeError as e:
+                error = e
+        finally:
+            segment.close()
+        self.upstream.unlink_segment(key)
+        try:
+            await k.point("shm.get.consumed", key=key)
+        except WireDecodeError as e:
+            error = e
+        if error is None:  # the bug: a payload that did not decode keeps its lock file
+            self._remove_lock_after_read(key, lock)
+        return obj, size, error
 
-    yield Patch(ShmConnector, "_remove_lock_after_read", _remove_lock_after_read)
+    yield Patch(ShmConnector, "_consume", _consume)
 
 
 @mutant(

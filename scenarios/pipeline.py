@@ -81,7 +81,7 @@ def pipeline_world(store_kind: str, params: Params) -> World:
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     engine = build_engine(config, models(), world.store)
     world.components["engine"] = engine
-    world.services["engine"] = (engine.run, engine.shutdown)
+    world.add_service("engine", engine.run, engine.shutdown)
     return world
 
 

@@ -506,7 +506,12 @@ def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, sta
         # starts with SIGINT ignored, and a child inherits that).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(8)  # imports, then a few hundred schedules on /dev/shm
+    # Wait until schedules run (each makes a namespace in /dev/shm), however long imports take.
+    started = time.monotonic()
+    while not _shm_names() - before and time.monotonic() - started < 120:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()
     sent = time.monotonic()
     proc.send_signal(sig)

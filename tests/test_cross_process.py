@@ -18,6 +18,7 @@ import pytest
 import torch
 import trio
 
+from runtime.connectors import posix_store
 from runtime.connectors.posix_store import SHM_DIR, PosixStore
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.wakeup import FifoWakeups
@@ -76,7 +77,9 @@ def finish(proc: subprocess.Popen[str]) -> None:
 
 
 def names_of(namespace: str) -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"omnisim-{namespace}-"))
+    """What a namespace holds besides its owner record (which lasts as long as the owner's store)."""
+    stem = f"omnisim-{namespace}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(stem) and n != f"{stem}owner")
 
 
 CONSUMER = r"""
@@ -249,7 +252,7 @@ def test_fifo_wakeup_crosses_processes() -> None:
 
 
 async def test_fifo_wakeup_in_process_and_no_spin() -> None:
-    namespace = PosixStore().namespace
+    namespace = posix_store.new_namespace()  # a namespace no store claimed
     receiver, sender = FifoWakeups(namespace), FifoWakeups(namespace)
     try:
         gen = receiver.generation("1")
@@ -279,7 +282,7 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
 
 
 def test_fifo_wakeups_close_unlinks_fifo_and_directory() -> None:
-    namespace = PosixStore().namespace
+    namespace = posix_store.new_namespace()  # a namespace no store claimed
     a, b = FifoWakeups(namespace), FifoWakeups(namespace)
     assert a.generation("1") == 0
     assert b.generation("1") == 0
@@ -302,7 +305,7 @@ def test_fifo_wakeups_close_unlinks_fifo_and_directory() -> None:
 
 
 async def test_closed_fifo_wakeups_wait_returns_false() -> None:
-    namespace = PosixStore().namespace
+    namespace = posix_store.new_namespace()  # a namespace no store claimed
     w = FifoWakeups(namespace)
     gen = w.generation("3")
     assert gen == 0

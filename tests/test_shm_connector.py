@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,11 +12,12 @@ import torch
 import trio
 
 import runtime.connectors.shm as shm_module
+from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
-from runtime.connectors.wire import WireDecodeError, encode
+from runtime.connectors.wire import BufferIO, EncodedFrame, WireDecodeError, encode
 
 
 @pytest.fixture(params=["memory", "posix"])
@@ -139,38 +141,68 @@ async def test_consumed_undecodable_payload_removes_lock_and_segment(
     conn = ShmConnector(store)
     await put(conn, "R_0_0", {"x": 1})
 
-    def broken_decode(buf: object) -> object:
+    def broken_finish(self: object, checksum: int) -> object:
         raise WireDecodeError("injected")
 
-    monkeypatch.setattr(shm_module, "decode", broken_decode)
-    assert await conn.get("0", "1", "R_0_0") is None
+    monkeypatch.setattr(shm_module.FrameDecoder, "finish", broken_finish)
+    with pytest.raises(CorruptChunk, match="R_0_0: injected"):
+        await conn.get("0", "1", "R_0_0")
     assert residue(store) == ([], [])
     assert await conn.get("0", "1", "R_0_0") is None
+
+
+def _uncommitted(payload: object) -> bytes:
+    frame = EncodedFrame(payload)
+    out = bytearray(frame.size)
+    frame.write_body(BufferIO(out))
+    return bytes(out)
+
+
+def _flipped(frame: bytes, pos: int) -> bytes:
+    out = bytearray(frame)
+    out[pos] ^= 0x5A
+    return bytes(out)
 
 
 @pytest.mark.parametrize(
     "garbage",
     [
+        b"",
+        bytes(4096),
         b"XXXX" + bytes(60),
         encode({"t": torch.arange(100)})[:80],
-        b"OMW1\xff\xff\xff\xff" + bytes(56),
+        b"OMW2\xff\xff\xff\xff" + bytes(56),
         encode({"t": torch.arange(1 << 20)})[:-8],  # 8 MB: decoded on a worker thread
+        _uncommitted({"t": torch.arange(1000)}),
+        _flipped(encode({"t": torch.arange(1000)}), 200),
     ],
-    ids=["bad_magic", "truncated", "header_past_end", "large_truncated"],
+    ids=[
+        "zero_length",
+        "zero_filled",
+        "bad_magic",
+        "truncated",
+        "header_past_end",
+        "large_truncated",
+        "uncommitted",
+        "flipped_byte",
+    ],
 )
-async def test_consumed_corrupt_segment_removes_lock_and_segment(
-    store: Store, garbage: bytes, request: pytest.FixtureRequest
-) -> None:
-    """A real corrupt frame (not a patched decoder): get returns None, never raises, and the
-    consumed bytes take both the segment and the lock file with them."""
-    seg = store.create_segment("R_0_0", len(garbage))
-    seg.write(0, garbage)
+async def test_consumed_corrupt_segment_is_a_corrupt_chunk(store: Store, garbage: bytes) -> None:
+    """A segment its writer never finished — killed before the commit, a zero-length one, a
+    truncated one — or whose bytes changed is a corrupt chunk, never "not arrived yet": get
+    raises CorruptChunk, and the consumed bytes take the segment and the lock file with them."""
+    seg = store.create_segment("R_0_0")
+    if garbage:
+        seg.reserve(len(garbage))
+        seg.write(0, garbage)
     seg.close()
     lock = store.open_lock("R_0_0", create=True)
     assert lock is not None
     lock.close()
     conn = ShmConnector(store)
-    assert await conn.get("0", "1", "R_0_0") is None
+    with pytest.raises(CorruptChunk) as info:
+        await conn.get("0", "1", "R_0_0")
+    assert info.value.key == "R_0_0"
     assert residue(store) == ([], [])
 
 
@@ -212,7 +244,8 @@ async def test_unencodable_payload_fails_cleanly(store: Store, name: str) -> Non
     conn = ShmConnector(store)
     await put(conn, "R_0_0", "earlier")
     result = await conn.put("0", "1", "R_0_1", UNENCODABLE[name]())
-    assert result == (False, 0, None)
+    assert not result.ok and result.size == 0
+    assert "encode" in result.metadata["error"]
     assert pending(conn) == ["R_0_0"]
     assert residue(store) == (["R_0_0"], ["R_0_0"])
     assert conn.health()["puts"] == 1
@@ -233,8 +266,8 @@ async def test_store_full_put_fails_and_leaves_nothing() -> None:
     store = MemoryStore(capacity=100)
     conn = ShmConnector(store)
     result = await conn.put("0", "1", "R_0_0", {"t": torch.zeros(1000)})
-    assert result == (False, 0, None)
-    assert not result.ok
+    assert not result.ok and result.size == 0
+    assert "/dev/shm is full" in result.metadata["error"]
     assert pending(conn) == []
     assert residue(store) == ([], [])
     await put(conn, "R_0_1", 1)  # a small one still fits
@@ -249,7 +282,7 @@ async def test_posix_store_full_put_fails_and_leaves_nothing(monkeypatch: pytest
         big = torch.empty(0)
         make_frames_huge(monkeypatch)
         result = await conn.put("0", "1", "R_0_0", {"t": big})
-        assert result == (False, 0, None)
+        assert not result.ok and "/dev/shm is full" in result.metadata["error"]
         assert pending(conn) == []
         assert residue(store) == ([], [])
     finally:
@@ -482,3 +515,91 @@ async def test_put_waiting_on_a_reader_leaves_a_readable_payload(store: Store) -
         assert await get(consumer, "R_0_0") == "second"
     finally:
         await producer.close()
+
+
+# -- every storage error a clean failure; hostile names refused ---------------------------------
+
+
+def _chown_foreign(path: str) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+    os.chown(path, 4242, 4242)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+async def test_put_over_a_foreign_segment_fails_and_leaves_no_lock() -> None:
+    store = PosixStore()
+    try:
+        _chown_foreign(store.segment_path("R_0_0"))
+        conn = ShmConnector(store)
+        result = await conn.put("0", "1", "R_0_0", {"x": 1})
+        assert not result.ok and "not ours" in result.metadata["error"]
+        assert store.lock_files() == []  # rolled back
+        assert os.path.exists(store.segment_path("R_0_0"))  # and the foreign name left alone
+        os.unlink(store.segment_path("R_0_0"))
+    finally:
+        store.sweep()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+async def test_get_through_a_foreign_lock_file_consumes_nothing() -> None:
+    store = PosixStore()
+    try:
+        conn = ShmConnector(store)
+        await put(conn, "R_0_0", {"x": 1})
+        os.chown(store.lock_path("R_0_0"), 4242, 4242)
+        with pytest.raises(CorruptChunk, match="not ours"):
+            await conn.get("0", "1", "R_0_0")
+        assert store.segments() == ["R_0_0"]  # not consumed: nothing lost to a hostile name
+        os.unlink(store.lock_path("R_0_0"))
+    finally:
+        store.sweep()
+
+
+async def test_a_symlink_at_a_segment_name_is_a_corrupt_chunk_not_eloop(tmp_path: os.PathLike[str]) -> None:
+    store = PosixStore()
+    try:
+        conn = ShmConnector(store)
+        await put(conn, "R_0_0", {"x": 1})
+        store.unlink_segment("R_0_0")
+        os.symlink(os.path.join(tmp_path, "elsewhere"), store.segment_path("R_0_0"))
+        with pytest.raises(CorruptChunk):
+            await conn.get("0", "1", "R_0_0")
+        os.unlink(store.segment_path("R_0_0"))
+    finally:
+        store.sweep()
+
+
+async def test_a_lock_held_forever_fails_the_put_in_bounded_time(store: Store) -> None:
+    conn = ShmConnector(store, lock_timeout_s=0.2)
+    holder = store.open_lock("R_0_0", create=True)
+    assert holder is not None and holder.try_acquire()
+    try:
+        with trio.fail_after(5):
+            result = await conn.put("0", "1", "R_0_0", {"x": 1})
+        assert not result.ok and "stayed held" in result.metadata["error"]
+    finally:
+        holder.close()
+    await put(conn, "R_0_0", {"x": 2})  # once it is free, the key works again
+    assert await get(conn, "R_0_0") == {"x": 2}
+
+
+@pytest.mark.parametrize("stage_id", [None, "talker", -1])
+async def test_a_stage_id_that_is_not_an_int_polls(stage_id: Any) -> None:
+    from runtime.connectors.wakeup import LocalWakeups
+
+    conn = ShmConnector(MemoryStore(), stage_id=stage_id, wakeups=LocalWakeups())
+    assert conn.get_wakeup_generation() is None
+    assert await conn.wait_for_change(0, timeout=0.01) is False
+
+
+async def test_reap_removes_the_lock_file_a_dead_reader_left(store: Store) -> None:
+    """A reader killed after it unlinked the segment but before it removed the lock file leaves
+    the lock file alone; the producer's reap forgets the key and removes that file."""
+    producer = ShmConnector(store)
+    await put(producer, "R_0_0", {"x": 1})
+    store.unlink_segment("R_0_0")  # what the dead reader did
+    assert residue(store) == ([], ["R_0_0"])
+    producer.reap_consumed()
+    assert pending(producer) == []
+    assert residue(store) == ([], [])

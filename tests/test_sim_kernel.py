@@ -504,7 +504,15 @@ def test_fault_nth_hit_and_point_table() -> None:
         "store_full": "shm.put.locked",
         "put_raise_after_create": "shm.put.written",
         "decode_fail": "shm.get.consumed",
+        "enospc_inodes": "shm.put.begin",
+        "foreign_name": "shm.put.locked",
+        "crash_writer": "shm.put.written",
+        "crash_reader": "shm.get.locked",
+        "stall": "shm.get.locked",
+        "corrupt_bytes": "shm.put.committed",
+        "forged_frame": "shm.put.committed",
     }
+    assert Fault("crash_writer", at="shm.put.created").point == "shm.put.created"
 
 
 def test_unknown_fault_kind() -> None:

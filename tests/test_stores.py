@@ -13,7 +13,7 @@ import pytest
 
 from runtime.connectors.keys import MAX_KEY_LENGTH, InvalidKeyError
 from runtime.connectors.posix_store import SHM_DIR, PosixStore
-from runtime.connectors.stores import MemoryStore, Segment, Store, StoreError, StoreFull
+from runtime.connectors.stores import ForeignName, MemoryStore, Segment, Store, StoreError, StoreFull
 from runtime.connectors.wakeup import FifoWakeups
 
 
@@ -32,7 +32,8 @@ def posix() -> Iterator[PosixStore]:
 
 
 def write_segment(store: Store, key: str, data: bytes) -> None:
-    seg = store.create_segment(key, len(data))
+    seg = store.create_segment(key)
+    seg.reserve(len(data))
     seg.write(0, data)
     seg.close()
 
@@ -73,7 +74,9 @@ def test_create_open_unlink(store: Store) -> None:
 
 def test_created_segment_has_exact_size(store: Store) -> None:
     for size in (1, 63, 4096, 10_000):
-        seg = store.create_segment(f"s{size}", size)
+        seg = store.create_segment(f"s{size}")
+        assert seg.size == 0
+        seg.reserve(size)
         assert seg.size == size
         seg.close()
         opened = store.open_segment(f"s{size}")
@@ -108,15 +111,18 @@ def test_open_missing_returns_none(store: Store) -> None:
     assert store.lock_files() == []
 
 
-def test_unsized_segment_is_not_ready(store: Store) -> None:
-    """A reader can see the object before the writer has sized it: that is "not ready"."""
+def test_unsized_segment_opens_empty(store: Store) -> None:
+    """A segment its writer never sized opens with size 0: the connector, holding the key's lock,
+    knows whether that is a writer at work or one that died (a corrupt chunk)."""
     if isinstance(store, PosixStore):
         shm = posix_ipc.SharedMemory(store._shm_name("k"), posix_ipc.O_CREX, mode=0o600)
         shm.close_fd()
     else:
-        store.create_segment("k", 0).close()
+        store.create_segment("k").close()
     assert store.segment_exists("k")
-    assert store.open_segment("k") is None
+    seg = store.open_segment("k")
+    assert seg is not None and seg.size == 0
+    seg.close()
 
 
 def test_keys_are_independent(store: Store) -> None:
@@ -206,8 +212,9 @@ def test_sweep_removes_everything(store: Store) -> None:
         lock.close()
     held = store.open_lock("held", create=True)
     assert held is not None and held.try_acquire()
+    owned = store.owner() is not None
     removed = store.sweep()
-    assert len(removed) == 7
+    assert len(removed) == 7 + owned
     assert store.segments() == []
     assert store.lock_files() == []
     assert store.sweep() == []
@@ -221,11 +228,13 @@ def test_memory_store_capacity() -> None:
     s = MemoryStore(capacity=100)
     write_segment(s, "a", b"x" * 60)
     with pytest.raises(StoreFull):
-        s.create_segment("b", 41)
+        s.create_segment("b").reserve(41)
+    s.unlink_segment("b")
     assert s.segments() == ["a"]
     write_segment(s, "b", b"y" * 40)  # exactly full
     with pytest.raises(StoreFull) as info:
-        s.create_segment("c", 1)
+        s.create_segment("c").reserve(1)
+    s.unlink_segment("c")
     assert isinstance(info.value, StoreError)
     s.unlink_segment("a")
     write_segment(s, "c", b"z" * 60)
@@ -251,7 +260,7 @@ def test_posix_names(posix: PosixStore) -> None:
     assert posix.segment_path("R_1_0") == f"{SHM_DIR}/omnisim-{ns}-seg-R_1_0"
     assert posix.lock_path("R_1_0") == f"{SHM_DIR}/omnisim-{ns}-lock-R_1_0"
     mine = sorted(n for n in os.listdir(SHM_DIR) if ns in n)
-    assert mine == [f"omnisim-{ns}-lock-R_1_0", f"omnisim-{ns}-seg-R_1_0"]
+    assert mine == [f"omnisim-{ns}-lock-R_1_0", f"omnisim-{ns}-owner", f"omnisim-{ns}-seg-R_1_0"]
     assert all(n.startswith(f"omnisim-{ns}-") for n in mine)
 
 
@@ -261,7 +270,8 @@ def test_posix_default_namespace_is_fresh() -> None:
     write_segment(a, "k", b"a")
     assert b.open_segment("k") is None
     assert b.segments() == []
-    assert a.sweep() == [f"omnisim-{a.namespace}-seg-k"]
+    assert a.sweep() == [f"omnisim-{a.namespace}-seg-k", f"omnisim-{a.namespace}-owner"]
+    assert b.sweep() == [f"omnisim-{b.namespace}-owner"]
 
 
 @pytest.mark.parametrize("namespace", ["UPPER", "with-dash", "a/b", "x" * 25, "..", "ns_1"])
@@ -271,7 +281,7 @@ def test_posix_rejects_bad_namespace(namespace: str) -> None:
 
 
 def test_posix_same_namespace_shares_state(posix: PosixStore) -> None:
-    other = PosixStore(posix.namespace)
+    other = PosixStore(posix.namespace)  # attaches: it records no owner of its own
     write_segment(posix, "k", b"shared")
     assert read_segment(other, "k") == b"shared"
     assert other.unlink_segment("k") is True
@@ -302,6 +312,9 @@ def test_posix_lock_file_is_not_followed_through_symlink(posix: PosixStore, tmp_
         posix.open_lock("k", create=True)
     with open(target) as f:
         assert f.read() == "keep"
+    posix.sweep()
+    assert os.path.islink(posix.lock_path("k")), "the sweep removed a name that is not ours"
+    os.unlink(posix.lock_path("k"))
 
 
 BAD_KEYS = ["a/b", "", "x" * 300, "..", ".", "a b", "k\x00", "é", "/abs", "x" * (MAX_KEY_LENGTH + 1)]
@@ -310,7 +323,7 @@ BAD_KEYS = ["a/b", "", "x" * 300, "..", ".", "a b", "k\x00", "é", "/abs", "x" *
 @pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
 def test_posix_invalid_keys_raise(posix: PosixStore, key: str) -> None:
     with pytest.raises(InvalidKeyError):
-        posix.create_segment(key, 8)
+        posix.create_segment(key)
     with pytest.raises(InvalidKeyError):
         posix.open_segment(key)
     with pytest.raises(InvalidKeyError):
@@ -325,7 +338,7 @@ def test_posix_invalid_keys_raise(posix: PosixStore, key: str) -> None:
 
 
 def test_posix_longest_key_fits_longest_namespace() -> None:
-    s = PosixStore("n" * 24)
+    s = PosixStore("n" * 24)  # attached, not claimed: nothing of its own to remove but what it makes
     key = "k" * MAX_KEY_LENGTH
     try:
         write_segment(s, key, b"long")
@@ -338,21 +351,14 @@ def test_posix_longest_key_fits_longest_namespace() -> None:
 
 
 @pytest.mark.parametrize("size", [1 << 50, (1 << 62) + 5])
-def test_posix_absurd_size_is_store_full_and_leaves_nothing(posix: PosixStore, size: int) -> None:
+def test_posix_absurd_size_is_store_full(posix: PosixStore, size: int) -> None:
+    seg = posix.create_segment("huge")
     with pytest.raises(StoreFull) as info:
-        posix.create_segment("huge", size)
+        seg.reserve(size)
+    seg.close()
     assert isinstance(info.value.__cause__, OSError)
     assert info.value.__cause__.errno in (errno.ENOSPC, errno.EFBIG)
-    assert posix.segments() == []
-    assert not posix.segment_exists("huge")
-    assert posix.lock_files() == []
-
-
-def test_posix_store_full_replacing_a_segment_leaves_nothing(posix: PosixStore) -> None:
-    write_segment(posix, "k", b"old")
-    with pytest.raises(StoreFull):
-        posix.create_segment("k", 1 << 50)
-    assert posix.segments() == []
+    assert "/dev/shm is full" in str(info.value)
 
 
 def test_posix_sweep_removes_wakeup_directory(posix: PosixStore) -> None:
@@ -365,3 +371,73 @@ def test_posix_sweep_removes_wakeup_directory(posix: PosixStore) -> None:
     assert not os.path.exists(wakeups.directory)
     wakeups.close()
     assert not any(n.startswith(f"omnisim-{posix.namespace}-") for n in os.listdir(SHM_DIR))
+
+
+# -- hostile names: refused, never used, followed or removed ------------------------------------
+
+OTHER_UID = 4242
+
+
+def _plant(path: str, how: str, tmp: str) -> None:
+    """Put something that is not ours at ``path``."""
+    if how == "symlink":
+        target = os.path.join(tmp, "target")
+        with open(target, "w") as f:
+            f.write("keep")
+        os.symlink(target, path)
+    elif how == "foreign_owner":
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+        os.chown(path, OTHER_UID, OTHER_UID)
+    elif how == "mode_0666":
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+        os.fchmod(fd, 0o666)
+        os.close(fd)
+    elif how == "directory":
+        os.mkdir(path, 0o700)
+    else:
+        raise AssertionError(how)
+
+
+def _gone_or_untouched(path: str, how: str) -> None:
+    assert os.path.lexists(path), f"the {how} at {path} was removed"
+    if how == "symlink":
+        with open(os.path.realpath(path)) as f:
+            assert f.read() == "keep"
+
+
+def _unplant(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+    else:
+        os.unlink(path)
+
+
+HOSTILE = ["symlink", "foreign_owner", "mode_0666", "directory"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+@pytest.mark.parametrize("how", HOSTILE)
+def test_a_hostile_lock_file_is_refused(posix: PosixStore, how: str, tmp_path: os.PathLike[str]) -> None:
+    path = posix.lock_path("k")
+    _plant(path, how, str(tmp_path))
+    for create in (True, False):
+        with pytest.raises(ForeignName):
+            posix.open_lock("k", create=create)
+    posix.sweep()
+    _gone_or_untouched(path, how)
+    _unplant(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+@pytest.mark.parametrize("how", HOSTILE)
+def test_a_hostile_segment_is_refused(posix: PosixStore, how: str, tmp_path: os.PathLike[str]) -> None:
+    path = posix.segment_path("k")
+    _plant(path, how, str(tmp_path))
+    with pytest.raises(ForeignName):
+        posix.create_segment("k")
+    with pytest.raises(ForeignName):
+        posix.open_segment("k")
+    posix.sweep()
+    _gone_or_untouched(path, how)
+    _unplant(path)

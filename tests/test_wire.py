@@ -4,6 +4,7 @@ WireDecodeError on malformed input."""
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 from typing import Any
 
@@ -11,13 +12,16 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.connectors.wire import (
     ALIGN,
+    COMMIT_MAGIC,
     MAGIC,
     TORCH_DTYPES,
+    TRAILER,
     BufferIO,
     EncodedFrame,
     WireDecodeError,
@@ -191,8 +195,8 @@ def test_buffers_are_aligned() -> None:
     base = (8 + header_len + ALIGN - 1) // ALIGN * ALIGN
     offsets = [meta[2] for meta in header]
     assert offsets == [0, ALIGN]
-    assert len(frame) % ALIGN == 0
-    assert len(frame) >= base + ALIGN + b.numel() * 8
+    assert (len(frame) - TRAILER.size) % ALIGN == 0
+    assert len(frame) >= base + ALIGN + b.numel() * 8 + TRAILER.size
     assert frame[base + ALIGN : base + ALIGN + 40] == raw_bytes(b)
     assert_same(decode(frame), [a, b])
 
@@ -335,28 +339,35 @@ def test_unsupported_tensor_dtype_raises_wire_encode_error(dtype: torch.dtype) -
         encode({"x": t})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a dict with tuple keys encodes (keys become arrays) but cannot be decoded (unhashable list); "
-    "encode should refuse it (or decode accept it); drop this marker once fixed",
-)
-def test_tuple_dict_keys_round_trip_or_are_refused() -> None:
-    try:
-        data = encode({(1, 2): "x"})
-    except WireEncodeError:
-        return
-    assert decode(data) == {(1, 2): "x"}
+def test_tuple_dict_keys_round_trip() -> None:
+    payload = {(1, 2): "x", ((3, "a"), 4): [5, (6, 7)], "t": {(0,): torch.arange(2)}}
+    got = decode(encode(payload))
+    assert got[(1, 2)] == "x" and got[((3, "a"), 4)] == [5, [6, 7]]
+    assert torch.equal(got["t"][(0,)], torch.arange(2))
 
 
 # -- decode errors and fuzzing ---------------------------------------------------------------
 
 
-def _frame(header: bytes, tail: bytes = b"") -> bytes:
-    return struct.pack("<4sI", MAGIC, len(header)) + header + tail
+def _frame(header: bytes, tail: bytes = b"", *, body: bytes | None = None) -> bytes:
+    """A frame with a valid commit trailer around ``header`` (or a whole ``body``): what a writer
+    that finished would leave, whatever it wrote."""
+    body = struct.pack("<4sI", MAGIC, len(header)) + header + tail if body is None else body
+    return body + TRAILER.pack(COMMIT_MAGIC, 0, xxhash.xxh3_64_intdigest(body[: 8 + len(header)]), len(body))
 
 
 def _ext(code: int, meta: object) -> bytes:
-    return msgpack.packb(msgpack.ExtType(code, msgpack.packb(meta)))
+    return msgpack.packb(_ext_obj(code, meta))
+
+
+def _ext_obj(code: int, meta: object) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb(meta))
+
+
+def _flip(frame: bytes, pos: int) -> bytes:
+    data = bytearray(frame)
+    data[pos] ^= 0xFF
+    return bytes(data)
 
 
 MALFORMED = {
@@ -364,7 +375,7 @@ MALFORMED = {
     "short": b"OMW",
     "prefix_only_bad_magic": b"XXXX\x00\x00\x00\x00",
     "bad_magic": b"OMW2" + bytes(60),
-    "header_past_end": struct.pack("<4sI", MAGIC, 100) + b"\x80",
+    "header_past_end": _frame(b"", body=struct.pack("<4sI", MAGIC, 100) + b"\x80"),
     "header_garbage": _frame(b"\xc1"),
     "header_truncated": _frame(msgpack.packb([1, 2, 3])[:-1]),
     "unknown_ext": _frame(_ext(9, ["int64", [1], 0, 8]), bytes(64)),
@@ -385,7 +396,15 @@ MALFORMED = {
     "bad_ndarray_dtype": _frame(_ext(2, ["not-a-dtype", [1], 0, 4]), bytes(64)),
     "ndarray_dtype_not_str": _frame(_ext(2, [[1, 2], [1], 0, 4]), bytes(64)),
     "ndarray_past_end": _frame(_ext(2, ["<f8", [100], 0, 800]), bytes(64)),
-    "unhashable_key": _frame(b"\x81\x91\x01\x02"),
+    "uncommitted": encode({"a": torch.arange(8)})[: -TRAILER.size] + bytes(TRAILER.size),
+    "zero_filled": bytes(256),
+    "trailer_cut_off": encode({"a": torch.arange(8)})[:-1],
+    "trailer_length_mismatch": encode([1])[: -TRAILER.size]
+    + TRAILER.pack(COMMIT_MAGIC, 0, 0, len(encode([1])) - TRAILER.size + 64),
+    "checksum_mismatch": _flip(encode({"a": torch.arange(64)}), -TRAILER.size - 8),
+    "overlapping_buffers": _frame(
+        msgpack.packb([_ext_obj(1, ["int64", [8], 0, 64]), _ext_obj(1, ["int64", [8], 32, 64])]), bytes(128)
+    ),
 }
 
 
@@ -470,3 +489,96 @@ def test_fuzz_extension_metadata(code: int, meta: tuple[object, ...], tail: byte
 def test_seed_frames_decode() -> None:
     for payload, frame in zip(SEED_PAYLOADS, SEED_FRAMES, strict=True):
         assert_same(decode(frame), payload)
+
+
+# -- the commit trailer and decode safety ------------------------------------------------------
+
+
+def test_a_writer_that_died_before_the_commit_leaves_an_undecodable_frame() -> None:
+    frame = EncodedFrame({"codes": {"audio": torch.arange(1000)}, "meta": {"finished": torch.tensor(True)}})
+    segment = bytearray(frame.size)  # what posix_fallocate reserves: zeros
+    frame.write_body(BufferIO(segment))
+    with pytest.raises(WireDecodeError, match="uncommitted"):
+        decode(segment)
+    frame.commit(BufferIO(segment), frame.checksum())
+    assert torch.equal(decode(segment)["codes"]["audio"], torch.arange(1000))
+
+
+def test_every_byte_of_a_frame_is_covered() -> None:
+    """Flipping any byte of a committed frame — header, padding aside, buffers, trailer — is
+    caught (the padding between header and buffers carries nothing and is not read)."""
+    frame = encode({"a": torch.arange(16, dtype=torch.int32), "b": "text"})
+    (header_len,) = struct.unpack_from("<I", frame, 4)
+    padding = range(8 + header_len, (8 + header_len + ALIGN - 1) // ALIGN * ALIGN)
+    for pos in range(len(frame)):
+        if pos in padding:
+            continue
+        with pytest.raises(WireDecodeError):
+            decode(_flip(frame, pos))
+
+
+def _allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes the decoder asks an allocator for, recorded as it asks."""
+    from runtime.connectors import wire
+
+    asked: list[int] = []
+    original = wire._allocate
+
+    def allocate(ref: Any) -> Any:
+        asked.append(ref.nbytes)
+        return original(ref)
+
+    monkeypatch.setattr(wire, "_allocate", allocate)
+    return asked
+
+
+def test_many_references_to_the_same_bytes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1 MiB frame with 1,000 references to its bytes once decoded into +1 GiB; now nothing is
+    allocated before the overlap is found."""
+    asked = _allocations(monkeypatch)
+    refs = [_ext_obj(1, ["uint8", [1 << 20], 0, 1 << 20]) for _ in range(1000)]
+    with pytest.raises(WireDecodeError, match="overlapping"):
+        decode(_frame(msgpack.packb(refs), bytes((1 << 20) + ALIGN)))
+    assert asked == []
+
+
+def test_a_header_claiming_a_huge_tensor_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _allocations(monkeypatch)
+    for shape in ([1 << 31, 4], [1 << 33]):  # 8 and 16 GiB
+        with pytest.raises(WireDecodeError):
+            decode(_frame(_ext(1, ["float32", shape, 0, 4 * math.prod(shape)]), bytes(64)))
+    assert asked == []
+
+
+@FUZZ
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["uint8", "int64", "float32"]), st.integers(0, 300), st.integers(0, 400)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(0, 1024),
+)
+def test_fuzz_decode_never_allocates_more_than_the_frame(refs: list[tuple[str, int, int]], tail: int) -> None:
+    """Headers with arbitrary buffer references: whatever decodes, the decoder never asks for more
+    bytes than the frame holds."""
+    from runtime.connectors import wire
+
+    asked: list[int] = []
+    original = wire._allocate
+
+    def allocate(ref: Any) -> Any:
+        asked.append(ref.nbytes)
+        return original(ref)
+
+    items = [
+        _ext_obj(1, [dt, [n], off, n * torch.empty(0, dtype=wire.TORCH_DTYPES[dt]).element_size()])
+        for dt, n, off in refs
+    ]
+    frame = _frame(msgpack.packb(items), bytes(tail))
+    wire._allocate = allocate  # type: ignore[assignment]
+    try:
+        _decode_or_decode_error(frame)
+    finally:
+        wire._allocate = original  # type: ignore[assignment]
+    assert sum(asked) <= len(frame)

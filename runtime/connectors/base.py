@@ -12,7 +12,15 @@ class PutResult(NamedTuple):
     metadata: dict[str, Any] | None
 
 
-FAILED_PUT = PutResult(False, 0, None)
+class CorruptChunk(Exception):
+    """A chunk whose bytes were taken (segment and lock file removed) but were not a committed,
+    intact frame — or that cannot be read because its names are not ours. Not "not arrived":
+    the request that waits for it must fail, naming the key and the cause."""
+
+    def __init__(self, key: str, cause: str) -> None:
+        super().__init__(f"corrupt chunk {key}: {cause}")
+        self.key = key
+        self.cause = cause
 
 
 class Connector(Protocol):
@@ -21,7 +29,8 @@ class Connector(Protocol):
     stage_id: int
 
     async def put(self, from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
-        """Serialize and store ``data`` under ``put_key``; failures return :data:`FAILED_PUT`."""
+        """Serialize and store ``data`` under ``put_key``. A failure returns ``ok`` False with its
+        cause in the metadata (``{"error": ...}``; upstream returns None there)."""
         ...
 
     async def get(
@@ -34,6 +43,7 @@ class Connector(Protocol):
         claim: Callable[[], bool] | None = None,
     ) -> tuple[Any, int] | None:
         """Take the payload under ``get_key`` if it is there now; None means "not available now".
+        A payload that was taken but is not intact raises :class:`CorruptChunk`.
 
         ``claim``, asked while the key is held exclusively and before anything is consumed,
         may refuse the payload (it then stays where it is)."""
@@ -49,6 +59,10 @@ class Connector(Protocol):
 
     def reap_consumed(self, *, max_keys: int = 64) -> None:
         """Forget at most ``max_keys`` tracked keys that a consumer has already taken."""
+        ...
+
+    def producer_alive(self) -> bool:
+        """Whether the stage this one receives from still lives."""
         ...
 
     def get_wakeup_generation(self) -> int | None: ...

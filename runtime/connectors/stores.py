@@ -1,10 +1,14 @@
 """Where segments and their lock files live: the store interface and the in-memory store.
 
 A *store* is the file system underneath a shared-memory connector: named byte segments and named
-lock files, both scoped to a namespace. :class:`runtime.connectors.posix_store.PosixStore` is the
-real one (POSIX shared memory plus ``fcntl`` lock files under /dev/shm); :class:`MemoryStore`
-keeps the same semantics in dictionaries, so a simulated run explores thousands of schedules a
-second without touching the OS.
+lock files, both scoped to a namespace whose owner is recorded. :class:`PosixStore
+<runtime.connectors.posix_store.PosixStore>` is the real one (POSIX shared memory plus ``flock``'d
+lock files under /dev/shm); :class:`MemoryStore` keeps the same semantics in dictionaries, so a
+simulated run explores thousands of schedules a second without touching the OS.
+
+Every failure of the file system is a :class:`StoreError` (never a raw ``OSError``): a full store
+is :class:`StoreFull`, a name that is not ours (another user's, a symlink, the wrong kind of file)
+is :class:`ForeignName`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import errno
 from typing import Protocol
 
+from runtime.connectors.namespaces import Owner
 from runtime.connectors.wire import BufferIO, FrameIO
 
 
@@ -20,14 +25,24 @@ class StoreError(Exception):
 
 
 class StoreFull(StoreError):
-    """No space left for the segment (ENOSPC). Raised before a byte is mapped, never a SIGBUS."""
+    """No room left (ENOSPC: space, or inodes). Raised before a byte is written, never a SIGBUS."""
 
-    def __init__(self, key: str, size: int) -> None:
-        super().__init__(f"no space left for segment {key!r} of {size} bytes ({errno.errorcode[errno.ENOSPC]})")
+    def __init__(self, key: str, size: int, *, inodes: bool = False) -> None:
+        what = "no inodes left in the store" if inodes else f"no space left for {size} bytes"
+        super().__init__(f"/dev/shm is full: {what} (segment {key!r}, {errno.errorcode[errno.ENOSPC]})")
+
+
+class ForeignName(StoreError):
+    """A name the store would use is taken by something that is not ours: refused, never used,
+    followed or removed."""
 
 
 class Segment(FrameIO, Protocol):
     """An open segment: positional writes (a created one) and reads (an opened one)."""
+
+    def reserve(self, size: int) -> None:
+        """Give a new segment exactly ``size`` bytes, all backed now (StoreFull if they are not)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -49,12 +64,12 @@ class LockFile(Protocol):
 class Store(Protocol):
     namespace: str
 
-    def create_segment(self, key: str, size: int) -> Segment:
-        """Create segment ``key`` of exactly ``size`` bytes, replacing one of the same name."""
+    def create_segment(self, key: str) -> Segment:
+        """Create segment ``key``, empty, replacing one of ours of the same name."""
         ...
 
     def open_segment(self, key: str) -> Segment | None:
-        """Open an existing, sized segment; None if missing or not sized yet."""
+        """Open an existing segment (of any size, 0 included); None if there is none."""
         ...
 
     def unlink_segment(self, key: str) -> bool:
@@ -77,8 +92,12 @@ class Store(Protocol):
         """Keys of every lock file of this namespace, sorted."""
         ...
 
+    def owner(self) -> Owner | None:
+        """The namespace's recorded owner."""
+        ...
+
     def sweep(self) -> list[str]:
-        """Remove everything this namespace holds; the names removed."""
+        """Remove everything this namespace holds, owner record last; the names removed."""
         ...
 
 
@@ -112,6 +131,23 @@ class _MemLock:
         self.release()
 
 
+class _MemSegment(BufferIO):
+    """A segment in memory; a created one grows to its size once, as ``posix_fallocate`` does."""
+
+    def __init__(self, store: MemoryStore, key: str, data: bytearray) -> None:
+        super().__init__(data)
+        self._store = store
+        self._key = key
+        self._data = data
+
+    def reserve(self, size: int) -> None:
+        if self._store.capacity is not None and self._store.used() + size > self._store.capacity:
+            raise StoreFull(self._key, size)
+        self._view.release()  # a bytearray cannot grow while a view of it is held
+        self._data.extend(bytes(size))
+        self._view = memoryview(self._data).cast("B")
+
+
 class MemoryStore:
     """Segments and lock files in dictionaries; ``capacity`` bytes in all (None: unbounded).
 
@@ -119,26 +155,23 @@ class MemoryStore:
     ``flock`` on an unlinked inode; a new lock file of the same name is a new lock.
     """
 
-    def __init__(self, namespace: str = "mem", capacity: int | None = None) -> None:
+    def __init__(self, namespace: str = "mem", capacity: int | None = None, owner: Owner | None = None) -> None:
         self.namespace = namespace
         self.capacity = capacity
+        self._owner = owner
         self._segments: dict[str, bytearray] = {}
         self._locks: dict[str, _LockInode] = {}
 
-    def _used(self) -> int:
+    def used(self) -> int:
         return sum(len(b) for b in self._segments.values())
 
-    def create_segment(self, key: str, size: int) -> BufferIO:
-        self._segments.pop(key, None)  # replaced, as a POSIX create unlinks the old name first
-        if self.capacity is not None and self._used() + size > self.capacity:
-            raise StoreFull(key, size)
-        data = bytearray(size)
-        self._segments[key] = data
-        return BufferIO(data)
+    def create_segment(self, key: str) -> _MemSegment:
+        data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
+        return _MemSegment(self, key, data)
 
     def open_segment(self, key: str) -> BufferIO | None:
         data = self._segments.get(key)
-        if not data:
+        if data is None:
             return None
         return BufferIO(memoryview(data).toreadonly())
 
@@ -165,8 +198,14 @@ class MemoryStore:
     def lock_files(self) -> list[str]:
         return sorted(self._locks)
 
+    def owner(self) -> Owner | None:
+        return self._owner
+
     def sweep(self) -> list[str]:
         removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
         self._segments.clear()
         self._locks.clear()
+        if self._owner is not None:
+            removed.append("owner")
+            self._owner = None
         return removed

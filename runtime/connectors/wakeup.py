@@ -12,12 +12,15 @@ generation to change instead of sleeping, so a put landing mid-pass is never sle
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import uuid
 from typing import Protocol
 
 from runtime.kernel import KSignal, current_kernel
+
+log = logging.getLogger(__name__)
 
 
 class Wakeups(Protocol):
@@ -96,12 +99,33 @@ class _FifoReceiver:
 
 
 class FifoWakeups:
-    """Cross-process wakeups through FIFOs under ``/dev/shm/omnisim-{namespace}-wake``."""
+    """Cross-process wakeups through FIFOs under ``/dev/shm/omnisim-{namespace}-wake``.
+
+    The folder must be ours (a real folder, not a symlink, of this user, mode 0700) and every
+    FIFO written to must be a FIFO of this user: anything else at those names is refused —
+    wakeups are then unavailable and receivers keep polling — never followed or removed."""
 
     def __init__(self, namespace: str, shm_dir: str = "/dev/shm") -> None:
         self.directory = os.path.join(shm_dir, f"omnisim-{namespace}-wake")
         self._receivers: dict[str, _FifoReceiver] = {}
         self._closed = False
+        self._directory_ours = False
+
+    def _own_directory(self) -> bool:
+        """Make the folder, or accept an existing one only if it is ours."""
+        if self._directory_ours:
+            return True
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.directory, 0o700)
+        try:
+            st = os.lstat(self.directory)
+        except OSError:
+            return False
+        ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+        if not ours:
+            log.warning("wakeups disabled: %s is not a folder of ours (mode %o)", self.directory, st.st_mode)
+        self._directory_ours = ours
+        return ours
 
     def _receiver(self, stage: str) -> _FifoReceiver | None:
         if self._closed or not stage.isdigit():
@@ -109,19 +133,27 @@ class FifoWakeups:
         rx = self._receivers.get(stage)
         if rx is not None:
             return rx
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        path = os.path.join(self.directory, f"{stage}_{uuid.uuid4().hex}")
-        os.mkfifo(path, 0o600)
+        try:
+            if not self._own_directory():
+                return None
+            path = os.path.join(self.directory, f"{stage}_{uuid.uuid4().hex}")
+            os.mkfifo(path, 0o600)
+        except OSError as e:
+            log.warning("wakeups disabled for stage %s: %s", stage, e)
+            return None
         read_fd = hold_fd = -1
         try:
-            read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            if not stat.S_ISFIFO(os.fstat(read_fd).st_mode):
+                raise OSError(f"{path} is not a FIFO")
             # The hold end keeps the FIFO from reporting EOF (a spin) while no sender has it open.
-            hold_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            hold_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             for fd in (read_fd, hold_fd):
                 if fd >= 0:
                     os.close(fd)
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             return None
         rx = self._receivers[stage] = _FifoReceiver(path, read_fd, hold_fd)
         return rx
@@ -133,6 +165,7 @@ class FifoWakeups:
             names = os.listdir(self.directory)
         except OSError:
             return
+        uid = os.geteuid()
         for name in names:
             if not name.startswith(f"{to_stage}_"):
                 continue
@@ -141,7 +174,8 @@ class FifoWakeups:
             except OSError:
                 continue
             try:
-                if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if stat.S_ISFIFO(st.st_mode) and st.st_uid == uid:
                     os.write(fd, b"\0")
             except OSError:
                 pass
@@ -167,5 +201,6 @@ class FifoWakeups:
         for rx in self._receivers.values():
             rx.close()
         self._receivers.clear()
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)
+        if self._directory_ours:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)

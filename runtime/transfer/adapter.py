@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from runtime.connectors.base import Connector
+from runtime.connectors.base import Connector, CorruptChunk
 from runtime.connectors.keys import chunk_key
 from runtime.kernel import KTaskGroup, current_kernel
 from runtime.request import Request
@@ -43,6 +43,9 @@ RECV_IDLE_WAIT_S = 0.1
 RECV_BACKOFF_S = 0.001
 #: With arrival wakeups a pass without progress waits for a put instead (L1).
 RECV_WAKEUP_WAIT_S = 0.05
+#: While chunks are awaited and none comes, whether their producer still lives is looked at
+#: this often: a request waiting on a dead producer fails within a second, not at its deadline.
+PRODUCER_CHECK_S = 0.25
 
 DRAINING_REASON = "previous sender generation is still draining"
 
@@ -106,8 +109,9 @@ class SaveTask:
 
 @dataclass(eq=False)
 class CleanupTask:
-    """Reclaim the keys ``{prefix}_0 .. {prefix}_{num_puts-1}`` of one retired generation."""
+    """Reclaim the keys ``{prefix}_0 .. {prefix}_{num_puts-1}`` of one retired generation of ``ext``."""
 
+    ext: str
     prefix: str
     num_puts: int
     generation: int
@@ -123,6 +127,10 @@ class ReleaseTask:
 
 #: Reclaim work: it still runs when the loop stops, and it never carries a request.
 ReclaimTask = CleanupTask | ReleaseTask
+
+
+def _ext_of(task: SaveTask | ReclaimTask) -> str:
+    return task.request.external_req_id if isinstance(task, SaveTask) else task.ext
 
 
 def truthy_scalar(value: object) -> bool:
@@ -210,8 +218,9 @@ class ChunkTransferAdapter:
         #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
         self.chunk_ready = k.signal(f"{name}.chunk_ready")
 
-        # The send-failure side channel: request id -> first reason, drained by the scheduler.
+        # The failure side channels: request id -> first reason, drained by the orchestrator.
         self._send_failures: dict[str, str] = {}
+        self._receive_failures: dict[str, str] = {}
 
     def _next_serial(self) -> int:
         self._serials += 1
@@ -418,7 +427,7 @@ class ChunkTransferAdapter:
         if not active:
             k.note("adapter.send.vetoed", ext=ext, gen=token.serial)
             return
-        ok = await self._put_chunk(token, key, chunk_id, payload)
+        ok, cause = await self._put_chunk(token, key, chunk_id, payload)
 
         async with self._sender_state_lock:
             if ok and task.is_finished:
@@ -438,18 +447,22 @@ class ChunkTransferAdapter:
             if truthy_scalar(meta["finished"]) and task.is_finished:
                 await self.cleanup(task.request.request_id, ext)
         else:
-            self._put_failed(task, key)
+            self._put_failed(task, key, cause)
         if task.is_segment_finished:
             for name in ("code_prompt_token_ids", "ramp_chunk_count"):
                 getattr(self, name).pop(ext, None)
 
-    async def _put_chunk(self, token: SenderGeneration, key: str, chunk_id: int, payload: dict[str, Any]) -> bool:
+    async def _put_chunk(
+        self, token: SenderGeneration, key: str, chunk_id: int, payload: dict[str, Any]
+    ) -> tuple[bool, str]:
+        """Put one chunk; whether it went out, and if not, why."""
         # The key range is recorded *before* the put: the in-flight key must be reclaimable even
         # if the abort wins while the put runs, or the put raises after creating the segment.
         token.num_puts = chunk_id + 1
         current_kernel().note("adapter.put", ext=key.rsplit("_", 2)[0], gen=token.serial, key=key)
-        ok, _, _ = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
-        return ok
+        ok, _, metadata = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
+        cause = metadata.get("error") if isinstance(metadata, dict) else None
+        return ok, str(cause or "connector.put reported failure")
 
     async def _release_terminal_fence(self, ext: str, token: SenderGeneration) -> None:
         """Lower the fence and run a cleanup deferred while it was up, on every exit path."""
@@ -512,7 +525,7 @@ class ChunkTransferAdapter:
         """Append the exact-range reclaim to the save FIFO, unless downstream still needs the
         successfully sent terminal."""
         if token.num_puts and not token.terminal_sent:
-            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
+            self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
     def _clear_sender_state_locked(self, ext: str) -> None:
@@ -566,9 +579,11 @@ class ChunkTransferAdapter:
                 entry.source_metadata,
                 claim=lambda: self._entry_is_current_locked(entry, "claim"),
             )
-        except Exception:
-            log.exception("get of %s failed", key)
-            result = None
+        except CorruptChunk as e:
+            # Consumed, and never coming back: the request fails now, not at its input deadline.
+            self.record_receive_failure(req_id, str(e))
+            self.chunk_ready.notify()
+            return True
         async with self._receiver_state_lock:
             if not self._entry_is_current_locked(entry, "after_get"):
                 if result is not None:
@@ -720,16 +735,19 @@ class ChunkTransferAdapter:
         """Request-level final sweep (spec §2.11): reclaim chunks of ``ext`` that were sent but
         never read, e.g. the fenced terminal of an aborted request; the number removed.
 
-        Upstream runs it from another thread; here it is queued on the save FIFO like the abort
-        reclaim, so it runs after the request's last put and never overtakes the puts of a later
-        generation. It returns once the sweep ran, so an orchestrator that reuses ``ext`` after it
-        can be sure no stale chunk of the old generation is left for the new receiver to read.
+        Upstream runs it from another thread; here it runs on the save task like the abort
+        reclaim, so it never overtakes a put of ``ext`` nor is overtaken by a later generation's
+        — but it is queued right behind the last task of ``ext`` (at the front if there is
+        none), not behind every other request's puts. It returns once the sweep ran, so an
+        orchestrator that reuses ``ext`` after it can be sure no stale chunk of the old
+        generation is left for the new receiver to read.
         """
         if not self.sends_chunks or (self._stopped and not self._saving):
             # No save loop will run (a stage that never sends, or one shut down): sweep here.
             return await self.connector.cleanup_prefix(f"{ext}_{self.stage_id}_")
         task = ReleaseTask(ext)
-        self._pending_save_reqs.append(task)
+        behind = max((i + 1 for i, t in enumerate(self._pending_save_reqs) if _ext_of(t) == ext), default=0)
+        self._pending_save_reqs.insert(behind, task)
         self._save_cond.notify()
         while task.removed is None:
             await self._released.wait(SAVE_IDLE_WAIT_S)
@@ -740,9 +758,9 @@ class ChunkTransferAdapter:
     # A give-up is recorded under the scheduler's own (internal) request id, the one it can act
     # on; before #4855 R1.2 it was invisible, and the log said "None".
 
-    def _put_failed(self, task: SaveTask, key: str) -> None:
-        log.warning("Chunk send failed for %s (%s)", task.request.request_id, key)
-        self.record_send_failure(task.request.request_id, f"connector.put of {key} reported failure")
+    def _put_failed(self, task: SaveTask, key: str, cause: str) -> None:
+        log.warning("Chunk send failed for %s (%s): %s", task.request.request_id, key, cause)
+        self.record_send_failure(task.request.request_id, f"could not send chunk {key}: {cause}")
 
     def _send_raised(self, task: SaveTask, error: Exception) -> None:
         log.warning("Send of %s gave up: %s: %s", task.request.request_id, type(error).__name__, error)
@@ -754,6 +772,16 @@ class ChunkTransferAdapter:
     def collect_failed_send_request_ids(self) -> dict[str, str]:
         failed = dict(self._send_failures)
         self._send_failures.clear()
+        return failed
+
+    def record_receive_failure(self, request_id: str, reason: str) -> None:
+        """A chunk of ``request_id`` will never arrive (it was corrupt, or its producer died)."""
+        current_kernel().note("adapter.receive_failed", stage=self.stage_id, req=request_id)
+        self._receive_failures.setdefault(request_id, reason)
+
+    def collect_failed_receive_request_ids(self) -> dict[str, str]:
+        failed = dict(self._receive_failures)
+        self._receive_failures.clear()
         return failed
 
     # == background loops ========================================================================
@@ -791,6 +819,8 @@ class ChunkTransferAdapter:
         self.connector.reap_consumed()
 
     async def recv_loop(self) -> None:
+        k = current_kernel()
+        producer_checked = k.now()
         while not self._stopped:
             generation = self.connector.get_wakeup_generation()
             progress = 0
@@ -808,6 +838,9 @@ class ChunkTransferAdapter:
                     self._pending_load_reqs.append(entry)
             if self._stopped:
                 break
+            if not progress and self._pending_load_reqs and k.now() - producer_checked >= PRODUCER_CHECK_S:
+                producer_checked = k.now()
+                self._fail_if_producer_died()
             if not self._pending_load_reqs:
                 await self._recv_cond.wait(RECV_IDLE_WAIT_S)
             elif not progress:
@@ -815,6 +848,16 @@ class ChunkTransferAdapter:
                     await self.connector.wait_for_change(generation, timeout=RECV_WAKEUP_WAIT_S)
                 else:
                     await self._recv_cond.wait(RECV_BACKOFF_S)
+
+    def _fail_if_producer_died(self) -> None:
+        """Every request waiting for a chunk of a dead producer fails: nothing will come."""
+        if self.connector.producer_alive():
+            return
+        reason = f"producer stage {self.stage_id - 1} exited"
+        for entry in self._pending_load_reqs:
+            self.record_receive_failure(entry.request_id, reason)
+        self._pending_load_reqs.clear()
+        self.chunk_ready.notify()
 
     async def run(self) -> None:
         """Run the save loop (if this stage sends) and the receive loop (if it receives) until

@@ -1,0 +1,76 @@
+"""Data-plane invariants: what a consumer accepts, what a sweep removes, how long a wait lasts."""
+
+from __future__ import annotations
+
+from invariants import invariant
+from invariants.observed import ObservedWorld
+
+#: Slack for a bounded wait: its last back-off may overrun the deadline by that much.
+WAIT_SLACK_US = 60_000
+
+
+@invariant(
+    "no-corrupt-accept",
+    "every payload a consumer accepts equals what a producer put (checked by content, whatever the outcome)",
+)
+def no_corrupt_accept(world: ObservedWorld) -> list[str]:
+    out = []
+    for s in world.streams.values():
+        if not s.sent_frames and not s.received_frames:
+            continue
+        got = s.received_frames
+        if got != s.sent_frames[: len(got)]:
+            first = next((i for i, (a, b) in enumerate(zip(got, s.sent_frames, strict=False)) if a != b), len(got))
+            out.append(
+                f"request {s.request_id} accepted frame {first} that no producer sent "
+                f"({len(got)} frames received, {len(s.sent_frames)} sent)"
+            )
+    return out
+
+
+@invariant(
+    "no-residue-after-sweep",
+    "a sweep removes every name of a namespace whose owner is dead, and none of a namespace whose owner lives",
+)
+def no_residue_after_sweep(world: ObservedWorld) -> list[str]:
+    out = []
+    dead_at: dict[str, int] = {}  # namespace -> event index its owner was seen dead at
+    for ev in world.trace:
+        if ev.name == "world.owner_died":
+            dead_at[str(ev.attrs["ns"])] = ev.index
+        elif ev.name == "sweep.removed" and str(ev.attrs["ns"]) not in dead_at:
+            out.append(f"the sweep removed {ev.attrs['name']}, of namespace {ev.attrs['ns']} whose owner lives")
+    for snap in world.snapshots:
+        if snap.label != "after sweep":
+            continue
+        for name, store in snap.stores.items():
+            left = store.segments + store.lock_files
+            if store.owner_dead and left:
+                out.append(f"after the sweep, {name} still holds {', '.join(left[:5])}")
+    return out
+
+
+@invariant(
+    "bounded-wait",
+    "no wait outlives its stated deadline (in virtual time): a put waiting for a key's lock file gives up in time",
+)
+def bounded_wait(world: ObservedWorld) -> list[str]:
+    out = []
+    open_waits: dict[tuple[str, str, str], tuple[int, int]] = {}  # (task, what, key) -> (start, limit)
+    for ev in world.trace:
+        if ev.name == "wait.begin":
+            open_waits[(ev.task, str(ev.attrs["what"]), str(ev.attrs["key"]))] = (ev.time_us, int(ev.attrs["limit_us"]))  # type: ignore[arg-type]
+        elif ev.name == "wait.end":
+            begun = open_waits.pop((ev.task, str(ev.attrs["what"]), str(ev.attrs["key"])), None)
+            if begun is not None and ev.time_us - begun[0] > begun[1] + WAIT_SLACK_US:
+                out.append(
+                    f"{ev.task} waited {(ev.time_us - begun[0]) / 1e6:g}s for the {ev.attrs['what']} of "
+                    f"{ev.attrs['key']}, past its {begun[1] / 1e6:g}s deadline"
+                )
+    for (task, what, key), (start, limit) in open_waits.items():
+        if world.end_time_us - start > limit + WAIT_SLACK_US:
+            out.append(
+                f"{task} still waited for the {what} of {key} {(world.end_time_us - start) / 1e6:g}s after it "
+                f"began, past its {limit / 1e6:g}s deadline"
+            )
+    return out

@@ -1,0 +1,341 @@
+"""The data plane when processes die and storage turns hostile (omnisim issue 9).
+
+At the Talker → Code2Wav edge, with the stage that fails in a process of its own (it writes into
+a namespace it owns; the other stage reads from there):
+
+* ``writer_crash`` — the Talker is SIGKILLed in the middle of a put (after creating the segment,
+  after reserving it, after writing the body, after the commit) while Code2Wav waits: a frame
+  that was not committed is a corrupt chunk, a committed one is accepted whole; either way the
+  request fails within a second ("producer stage 1 exited", or the corrupt chunk named), and
+  the operator's sweep leaves nothing of the dead Talker;
+* ``reader_crash`` — Code2Wav is SIGKILLed holding a key's lock (before or after it took the
+  bytes): the Talker, alive, reclaims the request's keys and the lock file the reader left;
+* ``sweep_vs_live_owner`` — an operator's sweep runs while a live Talker streams, next to the
+  namespace a dead engine left, whose pid a new process now has: the dead one goes, entirely,
+  and nothing of the live one does;
+* ``stalled_reader`` — a reader hangs (SIGSTOP) holding a key's lock while the id is reused:
+  the new generation's put gives up within its deadline instead of waiting for ever;
+* ``storage_errors`` — a put meets a full /dev/shm (space or inodes) or a segment name taken by
+  someone else: the request fails at once, naming the cause, and nothing is left;
+* ``corrupt_chunk`` — the bytes of a committed chunk change (a flipped byte, or a forged frame
+  with a valid checksum whose buffers overlap): the consumer never accepts them.
+
+Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from omnisim.faults import Fault, FaultPlan
+from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
+from omnisim.sim_kernel import MAIN_PROCESS, SimKernel
+from omnisim.world import World
+from runtime.kernel import current_kernel
+from runtime.request import RequestStatus
+from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, EdgeRequest, codec_frames, synthetic_codec_chunk
+
+#: The invariants of the data plane, on top of the defaults.
+DATA_PLANE = (*DEFAULT_INVARIANTS, "no-corrupt-accept", "no-residue-after-sweep", "bounded-wait")
+#: How soon a consumer must learn that its producer died (issue 9: "within one second").
+PRODUCER_NOTICE_S = 1.0
+#: How long a scenario's client waits for its request before it gives up (a hang, for liveness).
+CLIENT_PATIENCE_S = 30.0
+CHUNKS = [4, 25, 10]
+
+
+def crash_scenario(
+    name: str,
+    *,
+    own: int,
+    faults: Callable[[Params], FaultPlan | None],
+    params: tuple[Param, ...] = (),
+    **kwargs: Any,
+) -> Callable[[ScenarioBody], ScenarioBody]:
+    """Register a data-plane scenario at the edge, with stage ``own`` in a process of its own
+    and the fault plan ``faults`` builds from the run's configuration."""
+
+    def build(store_kind: str, run_params: Params | None = None) -> World:
+        world = World(store_kind)
+        world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False, own_process=own == TALKER)
+        world.add_stage(CODE2WAV, sends=False, own_process=own == CODE2WAV)
+        world.inject(faults(run_params or {}))
+        return world
+
+    return scenario(name, build=build, invariants=DATA_PLANE, params=params, **kwargs)
+
+
+# -- the two sides, recording content ------------------------------------------------------------
+
+
+async def send(req: EdgeRequest, chunk_frames: list[int]) -> None:
+    """The Talker's scheduler: one chunk per entry, the last one the terminal; every frame sent
+    is recorded. Stops when the request ended (or its process died: then it never returns)."""
+    offset = 0
+    for i, n in enumerate(chunk_frames):
+        if req.stream.outcome != "open":
+            return
+        if i == len(chunk_frames) - 1:
+            req.sender.status = RequestStatus.FINISHED_STOPPED
+        req.sender.num_computed_tokens += n
+        frames = codec_frames(n, offset)
+        # Recorded before the hand-off: the process may die right after it, chunk and all queued.
+        sent = [tuple(frames[:, j].tolist()) for j in range(n)]
+        req.stream.sent_frames.extend(sent)
+        if not await req.talker.adapter.save_async({"frames": frames}, req.sender):
+            del req.stream.sent_frames[-n:]
+            return
+        req.stream.frames_sent += n
+        offset += n
+
+
+async def receive(req: EdgeRequest, *, talker_alive: bool = True) -> float | None:
+    """Code2Wav's side: register for each chunk, record its frames, until the terminal or a
+    failure the adapters report (or the client's patience runs out). The time it failed."""
+    k = current_kernel()
+    adapter = req.code2wav.adapter
+    request = req.receiver
+    started = k.now()
+    while req.stream.outcome == "open":
+        await adapter.load_async(request)
+        while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
+            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+            reasons = adapter.collect_failed_receive_request_ids()
+            if talker_alive:
+                reasons |= req.talker.adapter.collect_failed_send_request_ids()
+            reason = reasons.get(request.request_id) or reasons.get(req.sender.request_id)
+            if reason is not None:
+                req.stream.outcome = "failed"
+                req.stream.error = reason
+                await adapter.finish_requests([request])
+                return k.now()
+            if k.now() - started > CLIENT_PATIENCE_S:
+                req.stream.outcome = "gave up"
+                await adapter.finish_requests([request])
+                return None
+        if req.stream.outcome != "open":
+            break
+        codes = (request.additional_information or {}).get("codes", {})
+        audio = codes.pop("audio", None)
+        if isinstance(audio, torch.Tensor) and audio.ndim >= 2:
+            req.stream.chunks.append((int(audio.shape[1]), False))
+            req.stream.received_frames.extend(tuple(audio[:, j].tolist()) for j in range(audio.shape[1]))
+        if adapter.is_done_receiving_chunks(request.request_id):
+            req.stream.chunks[-1] = (req.stream.chunks[-1][0], True) if req.stream.chunks else (0, True)
+            req.stream.outcome = "finished"
+    await adapter.finish_requests([request])
+    return None
+
+
+async def in_process(jobs: list[tuple[str, str, Callable[[], Awaitable[object]]]]) -> None:
+    """Run named jobs concurrently, each in the given simulated process, and wait for the live ones."""
+    k = current_kernel()
+    assert isinstance(k, SimKernel)
+    async with k.task_group() as tasks:
+        for job_process, name, job in jobs:
+            with k.as_process(job_process):
+                tasks.start_soon(job, name=name)
+
+
+# -- the scenarios --------------------------------------------------------------------------------
+
+AT_PUT = Param("at", ("created", "reserved", "written", "committed"), "the point of the put the writer dies at")
+
+
+@crash_scenario(
+    "writer_crash",
+    summary="the Talker process is SIGKILLed in the middle of a put (segment created / reserved / body written "
+    "/ committed) while Code2Wav waits: no uncommitted frame is accepted, the request fails within a second, "
+    "and the sweep leaves nothing of the dead Talker",
+    issue="omnisim issue 9 (commit protocol, producer liveness, sweep)",
+    own=TALKER,
+    params=(AT_PUT,),
+    faults=lambda p: FaultPlan([Fault("crash_writer", at=f"shm.put.{p['at']}", match={"key": "R_1_1"})]),
+)
+async def writer_crash(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"failed"})
+    failed_at: list[float | None] = []
+
+    async def consume() -> None:
+        failed_at.append(await receive(req, talker_alive=False))
+
+    await in_process([(MAIN_PROCESS, "R.consume", consume), ("stage1", "R.produce", lambda: send(req, CHUNKS))])
+    died = world.death_time("stage1")
+    if died is not None and failed_at and failed_at[0] is not None:
+        world.probe(
+            "bounded-wait",
+            failed_at[0] - died <= PRODUCER_NOTICE_S,
+            f"the consumer learned {failed_at[0] - died:.3f}s after its producer died (at most {PRODUCER_NOTICE_S}s)",
+        )
+    await world.sweep_dead()
+
+
+AT_GET = Param("at", ("locked", "consumed"), "the point of the get the reader dies at")
+
+
+@crash_scenario(
+    "reader_crash",
+    summary="the Code2Wav process is SIGKILLed inside a get (holding the key's lock; before or after it took the "
+    "bytes): the live Talker reclaims the request's keys and the lock file the dead reader left",
+    issue="omnisim issue 9 (reclaimable lock files)",
+    own=CODE2WAV,
+    params=(AT_GET,),
+    faults=lambda p: FaultPlan([Fault("crash_reader", at=f"shm.get.{p['at']}", match={"key": "R_1_1"})]),
+)
+async def reader_crash(world: World) -> None:
+    k = current_kernel()
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"aborted"})
+    await in_process(
+        [("stage2", "R.consume", lambda: receive(req)), (MAIN_PROCESS, "R.produce", lambda: send(req, CHUNKS))]
+    )
+    # The consumer's process is gone: its client will hear nothing more. The orchestrator ends
+    # the request on the live stage and sweeps the dead one's namespace.
+    while world.death_time("stage2") is None:
+        await k.sleep(0.01)
+    req.stream.outcome = "aborted"
+    await req.talker.adapter.finish_requests([req.sender])
+    await req.talker.adapter.release_shm_resources(req.ext)
+    await world.sweep_dead()
+
+
+@crash_scenario(
+    "sweep_vs_live_owner",
+    summary="an operator's sweep runs while a live Talker process streams, next to a namespace a dead engine left "
+    "whose pid a new process now has: the dead namespace goes entirely, nothing of the live one does",
+    issue="omnisim issue 9 (owner-tracked namespaces)",
+    own=TALKER,
+    faults=lambda p: None,
+)
+async def sweep_vs_live_owner(world: World) -> None:
+    world.leave_dead_namespace(keys=["X_1_0", "X_1_1"], reuse_pid_of="stage1")
+    req = EdgeRequest(world, "R")
+
+    async def sweep() -> None:
+        await world.sweep_dead()
+
+    await in_process(
+        [
+            (MAIN_PROCESS, "R.consume", lambda: receive(req)),
+            ("stage1", "R.produce", lambda: send(req, CHUNKS)),
+            (MAIN_PROCESS, "operator.sweep", sweep),
+        ],
+    )
+    await req.talker.adapter.release_shm_resources(req.ext)
+
+
+@crash_scenario(
+    "stalled_reader",
+    summary="a Code2Wav reader hangs (SIGSTOP) holding a key's lock while the id is reused: the new generation's "
+    "put gives up within its lock deadline and its request fails, instead of waiting for ever",
+    issue="omnisim issue 9 (bounded waits)",
+    own=CODE2WAV,
+    faults=lambda p: FaultPlan([Fault("stall", at="shm.get.locked", match={"key": "R_1_0"})]),
+)
+async def stalled_reader(world: World) -> None:
+    k = current_kernel()
+    old = EdgeRequest(world, "R", "old")
+    old.stream.allowed_outcomes = frozenset({"aborted"})
+    new = EdgeRequest(world, "R", "new")
+    new.stream.allowed_outcomes = frozenset({"failed"})
+
+    async def old_request() -> None:
+        await in_process(
+            [("stage2", "old.consume", lambda: receive(old)), (MAIN_PROCESS, "old.produce", lambda: send(old, [4]))],
+        )
+
+    async def reuse() -> None:
+        while not world.stalled:
+            await k.sleep(0.01)
+        old.stream.outcome = "aborted"
+        await old.talker.adapter.finish_requests([old.sender])
+        await old.talker.adapter.release_shm_resources(old.ext)
+        await send(new, [4, 3])
+        while new.stream.outcome == "open":
+            await k.sleep(CONSUMER_WAIT_S)
+            failed = new.talker.adapter.collect_failed_send_request_ids()
+            if new.sender.request_id in failed:
+                new.stream.outcome = "failed"
+        await new.talker.adapter.finish_requests([new.sender])
+        await new.talker.adapter.release_shm_resources(new.ext)
+        world.crash("stage2")  # the operator kills the hung reader
+        await world.sweep_dead()
+
+    await in_process([(MAIN_PROCESS, "old", old_request), (MAIN_PROCESS, "reuse", reuse)])
+
+
+STORAGE_FAULT = Param("fault", ("store_full", "enospc_inodes", "foreign_name"), "what the put of chunk 1 meets")
+CAUSES = {"store_full": "/dev/shm is full", "enospc_inodes": "no inodes left", "foreign_name": "not ours"}
+
+
+@crash_scenario(
+    "storage_errors",
+    summary="the put of a chunk meets a full /dev/shm (space, or inodes) or a segment name taken by someone else: "
+    "the request fails at once with that cause, nothing later is sent, and nothing is left behind",
+    issue="omnisim issue 9 (every storage error a clean failure)",
+    own=TALKER,
+    params=(STORAGE_FAULT,),
+    faults=lambda p: FaultPlan([Fault(p["fault"], match={"key": "R_1_1"})]),
+)
+async def storage_errors(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"failed"})
+    await in_process(
+        [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
+    )
+    cause = CAUSES[world.params["fault"]]
+    world.probe(
+        "terminal-delivered",
+        req.stream.outcome != "failed" or cause in (req.stream.error or ""),
+        f"the request failed with {req.stream.error!r}, which does not name the cause ({cause!r})",
+    )
+    await req.talker.adapter.finish_requests([req.sender])
+    await req.talker.adapter.release_shm_resources(req.ext)
+
+
+CORRUPTION = Param("how", ("flipped_byte", "forged_frame"), "how the committed chunk's bytes change")
+
+
+@crash_scenario(
+    "corrupt_chunk",
+    summary="the bytes of a committed chunk change before Code2Wav reads them (a flipped byte; a forged frame with "
+    "a valid checksum whose buffers overlap): they are never accepted, and the request fails naming the key",
+    issue="omnisim issue 9 (checksums, decode safety)",
+    own=TALKER,
+    params=(CORRUPTION,),
+    faults=lambda p: FaultPlan(
+        [Fault("corrupt_bytes" if p["how"] == "flipped_byte" else "forged_frame", match={"key": "R_1_1"})]
+    ),
+)
+async def corrupt_chunk(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"failed"})
+    await in_process(
+        [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
+    )
+    await req.talker.adapter.finish_requests([req.sender])
+    await req.talker.adapter.release_shm_resources(req.ext)
+
+
+@crash_scenario(
+    "failed_put",
+    summary="a connector's put meets a full /dev/shm or a segment name that is not ours: it reports the cause "
+    "and leaves the key as it found it (no lock file, no segment) — nothing else will clean up after it",
+    issue="omnisim issue 9 (every storage error a clean failure)",
+    own=TALKER,
+    params=(Param("fault", ("store_full", "foreign_name"), "what the put meets"),),
+    faults=lambda p: FaultPlan([Fault(p["fault"], match={"key": "P_1_0"})]),
+)
+async def failed_put(world: World) -> None:
+    connector = world.stages[TALKER].connector
+    result = await connector.put("1", "2", "P_1_0", {"codes": {"audio": codec_frames(4)}})
+    cause = CAUSES[world.params["fault"]]
+    world.probe(
+        "terminal-delivered",
+        not result.ok and cause in str((result.metadata or {}).get("error")),
+        f"the failed put reported {result.metadata!r}, which does not name the cause ({cause!r})",
+    )

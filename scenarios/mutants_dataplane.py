@@ -1,0 +1,125 @@
+"""Mutants of the crash-safe data plane (omnisim issue 9): each undoes one of its rules.
+
+Not here: "the commit marker is written first". With the checksum in the same trailer it is an
+equivalent mutant — a writer killed between an early trailer and its body leaves a frame whose
+CRC does not match its zeros, which the reader refuses exactly as it refuses an uncommitted one
+(600 schedules of ``writer_crash``, random and PCT, found no difference). The commit marker and
+the checksum are two defences of the same rule; the mutants below take away each one that has a
+consequence of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omnisim.registry import Patch, mutant
+from runtime.connectors import namespaces, wire
+from runtime.connectors.namespaces import Owner, ProcessTable
+from runtime.connectors.shm import LOCK_RETRY_MAX_S, ShmConnector
+from runtime.connectors.stores import LockFile
+from runtime.kernel import current_kernel
+from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
+
+
+@mutant(
+    "checksum_not_checked",
+    summary="frames carry no working checksum: bytes changed after the commit decode as the chunk",
+    issue="omnisim issue 9 (checksums)",
+    scenarios=("corrupt_chunk",),
+    expect=("no-corrupt-accept",),
+)
+def checksum_not_checked() -> Iterator[Patch]:
+    yield Patch(wire, "new_digest", _Unchecked)
+
+
+class _Unchecked:
+    """A checksum that is always 0: every frame's matches, whatever its bytes."""
+
+    def update(self, data: object) -> None:
+        return None
+
+    def intdigest(self) -> int:
+        return 0
+
+
+@mutant(
+    "overlapping_buffers_accepted",
+    summary="the decoder lets buffer references overlap: a forged frame decodes into bytes nobody sent (and a "
+    "1 MiB frame into gigabytes)",
+    issue="omnisim issue 9 (decode safety)",
+    scenarios=("corrupt_chunk",),
+    expect=("no-corrupt-accept",),
+)
+def overlapping_buffers_accepted() -> Iterator[Patch]:
+    yield Patch(wire._Refs, "check_disjoint", lambda self: None)
+
+
+@mutant(
+    "sweep_ignores_start_time",
+    summary="the sweep takes a pid for its owner: a dead engine whose pid was reused looks alive, and what it "
+    "left is never reclaimed",
+    issue="omnisim issue 9 (owner-tracked namespaces)",
+    scenarios=("sweep_vs_live_owner",),
+    expect=("no-residue-after-sweep",),
+)
+def sweep_ignores_start_time() -> Iterator[Patch]:
+    def owner_state(owner: Owner, processes: ProcessTable) -> str:
+        return "alive" if processes.identity(owner.pid) is not None else "dead"
+
+    yield Patch(namespaces, "owner_state", owner_state)
+
+
+@mutant(
+    "sweep_removes_live_namespace",
+    summary="the sweep does not ask whether an owner lives: it removes a live engine's chunks under its feet",
+    issue="omnisim issue 9 (owner-tracked namespaces)",
+    scenarios=("sweep_vs_live_owner",),
+    expect=("no-residue-after-sweep",),
+)
+def sweep_removes_live_namespace() -> Iterator[Patch]:
+    yield Patch(namespaces, "owner_state", lambda owner, processes: "dead")
+
+
+@mutant(
+    "lock_wait_unbounded",
+    summary="a put waits for a key's lock file for ever: a reader that hangs holding it hangs the writer too",
+    issue="omnisim issue 9 (bounded waits)",
+    scenarios=("stalled_reader",),
+    expect=("bounded-wait",),
+)
+def lock_wait_unbounded() -> Iterator[Patch]:
+    async def acquire(self: ShmConnector, key: str) -> LockFile:
+        k = current_kernel()
+        k.note("wait.begin", what="lock", key=key, limit_us=round(self.lock_timeout_s * 1e6))
+        while True:  # no deadline
+            lock = self.store.open_lock(key, create=True)
+            assert lock is not None
+            if lock.try_acquire() and lock.is_current():
+                k.note("wait.end", what="lock", key=key)
+                return lock
+            lock.close()
+            await k.sleep(LOCK_RETRY_MAX_S)
+
+    yield Patch(ShmConnector, "_acquire_lock_file", acquire)
+
+
+@mutant(
+    "storage_error_not_rolled_back",
+    summary="a put that meets a storage error leaves its lock file (and segment) behind",
+    issue="omnisim issue 9 (every storage error a clean failure)",
+    scenarios=("failed_put",),
+    expect=("no-orphan-lock",),
+)
+def storage_error_not_rolled_back() -> Iterator[Patch]:
+    yield Patch(ShmConnector, "_roll_back", lambda self, key, *, created: None)
+
+
+@mutant(
+    "producer_death_ignored",
+    summary="a consumer never asks whether its producer lives: a request waiting on a dead stage waits for its "
+    "input deadline (600 s) instead of failing within a second",
+    issue="omnisim issue 9 (bounded waits)",
+    scenarios=("writer_crash",),
+    expect=("liveness", "bounded-wait"),
+)
+def producer_death_ignored() -> Iterator[Patch]:
+    yield Patch(Adapter, "_fail_if_producer_died", lambda self: None)
