@@ -5,7 +5,11 @@ interrupt is recognised, and the checks that an output path can be written."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 #: The stores a simulated world can run on.
 STORES = ("memory", "posix")
@@ -19,11 +23,38 @@ class CommandFailed(Exception):
     """The command ran and its subject failed (a pipeline request): one line, exit status 1."""
 
 
+#: The signals (SIGINT, SIGTERM) that asked the running command to stop: whatever goes wrong from
+#: then on is the stop, not a failure of its own.
+stop_requested: list[str] = []
+
+
+@contextmanager
+def stop_at_decisions() -> Iterator[None]:
+    """While inside, SIGINT and SIGTERM only record that a stop was asked for: the simulator looks
+    at :data:`stop_requested` at its next scheduling decision and ends the run there, so a stop
+    never lands in the middle of trio's (or the runtime's) own machinery."""
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        stop_requested.append(signal.Signals(signum).name)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, record)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def is_interrupt(error: BaseException | None) -> bool:
     """True for a KeyboardInterrupt, alone, inside an exception group (trio's nurseries) or as
     the cause of another error (one that landed inside trio's own machinery)."""
     if error is None:
         return False
+    if stop_requested:
+        return True
     if isinstance(error, BaseExceptionGroup):
         return any(is_interrupt(inner) for inner in error.exceptions)
     return isinstance(error, KeyboardInterrupt) or is_interrupt(error.__cause__)

@@ -31,7 +31,15 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from omnisim.base import STORES, CommandFailed, UsageError, is_interrupt, writable_dir, writable_file
+from omnisim.base import (
+    STORES,
+    CommandFailed,
+    UsageError,
+    is_interrupt,
+    stop_requested,
+    writable_dir,
+    writable_file,
+)
 
 DEFAULT_BUDGET = 200
 REPORT_DIR = "reports/latest"
@@ -672,6 +680,7 @@ class _Signals:
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         self.terminated = True
+        stop_requested.append("SIGTERM")
         on_int = signal.getsignal(signal.SIGINT)
         if not callable(on_int):
             # Started with SIGINT ignored (a background job): nobody would turn it into a
@@ -698,7 +707,8 @@ class _Signals:
 
 def _interrupted(signals: _Signals) -> int:
     """Print what ran before the interrupt; the exit status of the signal."""
-    name = "SIGTERM" if signals.terminated else "Ctrl-C"
+    terminated = signals.terminated or "SIGTERM" in stop_requested
+    name = "SIGTERM" if terminated else "Ctrl-C"
     finished = [s for p in _progress for s in p.finished]
     print(f"omnisim: stopped by {name}", file=sys.stderr)
     if finished:
@@ -709,7 +719,7 @@ def _interrupted(signals: _Signals) -> int:
             f"{found} with violations; the schedule in progress was abandoned (not checked, not saved)",
             file=sys.stderr,
         )
-    return EXIT_SIGTERM if signals.terminated else EXIT_SIGINT
+    return EXIT_SIGTERM if terminated else EXIT_SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -718,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if verbose else logging.CRITICAL, format="%(levelname)s %(name)s: %(message)s"
     )
     _progress.clear()
+    stop_requested.clear()
     with _Signals().installed() as signals:
         try:
             args = build_parser().parse_args(argv)
@@ -734,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"omnisim: {e}", file=sys.stderr)
             return EXIT_VIOLATION
         except BaseException as e:
-            if is_interrupt(e) or signals.terminated:
-                return _interrupted(signals)  # after a SIGTERM, whatever follows is the stop
+            if is_interrupt(e):
+                return _interrupted(signals)
             if not isinstance(e, Exception):
                 raise
             if verbose:

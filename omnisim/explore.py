@@ -16,7 +16,7 @@ import hypothesis
 import trio
 
 from invariants import Violation, check
-from omnisim.base import STORES, UsageError, is_interrupt
+from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
@@ -261,7 +261,7 @@ def explore(
     scn.configurations(params)  # an unknown parameter is a usage error before anything runs
     result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget)
     start = time.perf_counter()
-    with applied(m), _interruptible(result, start):
+    with applied(m), _interruptible(result, start), stop_at_decisions():
         if strategy == "hypothesis":
             if constraints:
                 raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
@@ -325,6 +325,8 @@ def _explore_schedules(
                 mutant,
                 params,
             )
+            if stop_requested:
+                raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
             decisions = len(res.choices) or decisions
             result.schedules += 1
             result.seconds = time.perf_counter() - start
@@ -375,6 +377,8 @@ def _explore_with_hypothesis(
         if not failing and time_limit is not None and time.perf_counter() - start > time_limit:
             hypothesis.reject()
         res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant, params=params)
+        if stop_requested:
+            raise KeyboardInterrupt
         result.schedules += 1
         if res.violations:
             result.first_violation_after = result.first_violation_after or result.schedules

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 
 from invariants.observed import TaskState, TraceEvent
+from omnisim.base import stop_requested
 from runtime.kernel import Attr, KTaskGroup, use_kernel
 
 if TYPE_CHECKING:
@@ -63,6 +64,13 @@ _running: contextvars.ContextVar[SimTask] = contextvars.ContextVar("omnisim_sim_
 
 class _Killed(BaseException):
     """Raised to a killed task that is being unwound, at its next kernel call."""
+
+
+def _interrupt_in(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit in ``e`` (alone, or within a group), if any."""
+    if isinstance(e, BaseExceptionGroup):
+        return e.split((KeyboardInterrupt, SystemExit))[0]
+    return e if isinstance(e, (KeyboardInterrupt, SystemExit)) else None
 
 
 def _split_crash(e: BaseException) -> tuple[Exception | None, BaseException | None]:
@@ -316,7 +324,13 @@ class SimKernel:
                 await task.fn()
         except BaseException as e:
             if task.state == KILLED:
-                return  # a killed process being unwound: nothing of it ran any more
+                # A killed process being unwound: nothing of it runs any more, and what it
+                # raises now is not the runtime's doing — but a Ctrl-C is still a Ctrl-C.
+                interrupt = _interrupt_in(e)
+                if interrupt is not None:
+                    self._stop("interrupted", f"{task.name} was interrupted while it was unwound")
+                    raise interrupt from None
+                return
             # An exception of the code under test is a crash: it is recorded and the world goes
             # on (as a dying thread would leave the rest running). Anything else — the world's
             # own cancellation, a KeyboardInterrupt, SystemExit — is not the runtime's doing:
@@ -380,6 +394,8 @@ class SimKernel:
         while True:
             if not self.tasks:
                 return None
+            if stop_requested:
+                return self._stop("interrupted", f"stopped by {stop_requested[0]}")
             self.steps += 1
             if self.steps > self.max_steps:
                 return self._stop("step-limit", f"more than {self.max_steps} scheduling steps")

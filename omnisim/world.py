@@ -20,7 +20,7 @@ from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
 from omnisim.processes import ProcessStore, SimProcesses, corrupt_segment, forge_segment
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
-from runtime.connectors import namespaces
+from runtime.connectors import namespaces, posix_store
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
@@ -34,9 +34,10 @@ from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 QUIESCE_S = 0.25
 
 
-#: Every POSIX store made for a simulated world and not yet swept: a run interrupted while its
-#: world was being built still has its namespaces removed (see :func:`sweep_made_stores`).
-_made: list[PosixStore] = []
+#: The namespace of every POSIX store made for a simulated world and not yet swept: chosen
+#: before the store is made, so a run interrupted while its world was being built still has
+#: everything of it removed, by name (see :func:`sweep_made_stores`).
+_made: list[str] = []
 
 
 def make_store(kind: str, owner: Owner | None = None) -> Store:
@@ -45,16 +46,17 @@ def make_store(kind: str, owner: Owner | None = None) -> Store:
     if kind == "memory":
         return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner)
     if kind == "posix":
-        store = PosixStore()
-        _made.append(store)
-        return store
+        namespace = posix_store.new_namespace()
+        _made.append(namespace)
+        return PosixStore(namespace, claim=True)
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
 
 
 def sweep_made_stores() -> None:
-    """Remove every namespace :func:`make_store` made and nobody swept yet."""
+    """Remove every name of every namespace :func:`make_store` made."""
     while _made:
-        _made.pop().sweep()
+        PosixStore(_made[-1]).sweep()
+        _made.pop()
 
 
 @dataclass
