@@ -50,4 +50,4 @@ def check(world: ObservedWorld, ids: Iterable[str]) -> list[Violation]:
 
 
 # The checkers register themselves on import.
-from invariants import dataplane, delivery, ownership, resources  # noqa: E402, F401
+from invariants import dataplane, delivery, isolation, ownership, resources  # noqa: E402, F401

@@ -40,7 +40,9 @@ def abort_non_blocking(world: ObservedWorld) -> list[str]:
     inside: dict[str, list[str]] = {}  # task -> abort-path calls it is in, innermost last
     for ev in world.trace:
         calls = inside.setdefault(ev.task, [])
-        if ev.name in ABORT_PATH:
+        if ev.name == "kernel.killed":
+            calls.clear()  # its process died inside the abort path; a later task of that name is new
+        elif ev.name in ABORT_PATH:
             calls.append(f"{ev.name.removesuffix('.begin')}({', '.join(map(str, ev.attrs.values()))})")
         elif ev.name in ABORT_PATH.values() and calls:
             calls.pop()
@@ -70,7 +72,13 @@ def liveness(world: ObservedWorld) -> list[str]:
 
 @invariant("no-crash", "no runtime task dies with an exception")
 def no_crash(world: ObservedWorld) -> list[str]:
-    return [f"task {task} crashed: {tb.splitlines()[-1]}" for task, tb in world.crashes]
+    return [f"task {task} crashed: {_last_line(tb)}" for task, tb in world.crashes]
+
+
+def _last_line(traceback: str) -> str:
+    """The exception line of a traceback (of an exception group's last exception, drawn boxed)."""
+    lines = [line.strip(" |+-") for line in traceback.splitlines()]
+    return next((line for line in reversed(lines) if line), traceback)
 
 
 @invariant(

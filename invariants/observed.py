@@ -90,6 +90,9 @@ class Stream:
     outcome: str = "open"  # open | finished | aborted | failed
     #: Why it failed, as the client was told.
     error: str | None = None
+    #: How many terminal outputs the client got, and when it got the (first) one.
+    terminals: int = 0
+    ended_us: int | None = None
     #: Outcomes this request may legitimately end with (an abort may race the terminal).
     allowed_outcomes: frozenset[str] = frozenset({"finished"})
     #: The frames themselves (codebook 0..15 of each), where a scenario records content.

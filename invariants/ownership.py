@@ -17,7 +17,10 @@ def exact_key_ownership(world: ObservedWorld) -> list[str]:
     reclaiming: dict[str, tuple[str, object]] = {}  # task -> ("gen", n) or ("ext", ext) it reclaims for
     for ev in world.trace:
         a = ev.attrs
-        if ev.name == "adapter.put":
+        if ev.name == "kernel.killed":
+            last_put.pop(ev.task, None)  # a later task of that name is another process's
+            reclaiming.pop(ev.task, None)
+        elif ev.name == "adapter.put":
             last_put[ev.task] = (str(a["ext"]), int(a["gen"]))  # type: ignore[arg-type]
         elif ev.name == "shm.put.created" and ev.task in last_put:
             creator[str(a["key"])] = last_put[ev.task]
@@ -86,6 +89,8 @@ def no_stale_consume(world: ObservedWorld) -> list[str]:
         a = ev.attrs
         if ev.name == "adapter.register":
             live[(a["stage"], str(a["req"]))] = a["entry"]
+            # The same serial again is a new life of the stage (a restarted process numbers anew).
+            ended.pop((a["stage"], str(a["req"]), a["entry"]), None)
         elif ev.name == "adapter.unregister":
             entry = live.pop((a["stage"], str(a["req"])), None)
             if entry is not None:
@@ -94,6 +99,8 @@ def no_stale_consume(world: ObservedWorld) -> list[str]:
             written[str(a["key"])] = ev.index
         elif ev.name == "adapter.poll":
             polling[ev.task] = (a["stage"], str(a["req"]), a["entry"], str(a["key"]))
+        elif ev.name == "kernel.killed":
+            polling.pop(ev.task, None)
         elif ev.name == "shm.get.consumed" and ev.task in polling:
             stage, req, entry, key = polling.pop(ev.task)
             end = ended.get((stage, req, entry))

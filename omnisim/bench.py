@@ -66,7 +66,7 @@ UTTERANCE_10S = (
 )
 
 
-def bench_pipeline(runs: int) -> dict[str, Any]:
+def bench_pipeline(runs: int, processes: bool = False) -> dict[str, Any]:
     """``runs`` requests each way, alternating on/off so drift hits both; medians."""
     import dataclasses
 
@@ -84,7 +84,7 @@ def bench_pipeline(runs: int) -> dict[str, Any]:
     try:
         for i in range(runs + 1):  # the first round warms up torch and the page cache
             for mode, config in configs.items():
-                engine = build_engine(config, models, store)
+                engine = build_engine(config, models, store, processes=processes)
                 result = trio.run(lambda engine=engine: run_request(engine, store, UTTERANCE_10S))
                 if result.error is not None or result.residue or result.time_to_first_audio_s is None:
                     raise RuntimeError(f"pipeline run failed: {result.error or result.residue}")
@@ -332,7 +332,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         payload["schedules"] = bench_schedules(args.seconds)
     if args.what in ("pipeline", "all"):
         print("== one ~10 s utterance through the real pipeline (real kernel, /dev/shm, CPU)")
-        payload["pipeline"] = bench_pipeline(args.runs)
+        payload["pipeline"] = bench_pipeline(args.runs, args.processes)
     if args.what in ("reuse", "all"):
         print("== request latency on fresh and reused ids under a concurrent load (10 % reuse)")
         payload["reuse"] = bench_reuse(args.requests, args.concurrency)

@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sizes", default="6.4KB,1MiB,16MiB,128MiB", help="payload sizes for `connector`")
     sp.add_argument("--reps-scale", type=positive_float, default=1.0, help="scale the connector's repetitions")
     sp.add_argument("--runs", type=positive_int, default=5, help="requests each way for `pipeline`")
+    sp.add_argument("--processes", action="store_true", help="`pipeline`: each stage in an OS process of its own")
     sp.add_argument("--requests", type=positive_int, default=200, help="requests for `reuse`")
     sp.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time for `reuse`")
     sp.add_argument(
@@ -301,6 +302,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(sp)
     sp.set_defaults(func=cmd_sweep, needs_registry=False, plugin=[])
 
+    sp = sub.add_parser(
+        "soak",
+        help="many requests through the real engine, with aborts, reused ids and killed stages",
+        description="Send --requests requests through the real engine, --concurrency at a time: about 15%% are "
+        "aborted at a random moment, about 10%% reuse an id right after it ended, and with --kill-every a random "
+        "stage process is SIGKILLed that often. Every request is checked (one terminal; a finished one's audio "
+        "equals its text run alone); at the end nothing may be left. Exit 1 on any problem.",
+        epilog=_examples(
+            "omnisim soak --processes --requests 300 --concurrency 8 --kill-every 5",
+            "omnisim soak --requests 1000",
+        ),
+    )
+    sp.add_argument("--requests", type=positive_int, default=300, help="how many requests (default: %(default)s)")
+    sp.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time (default: %(default)s)")
+    sp.add_argument("--processes", action="store_true", help="each stage in an OS process of its own")
+    sp.add_argument("--kill-every", type=positive_float, metavar="SECONDS", help="SIGKILL a random stage this often")
+    sp.add_argument("--seed", type=int, default=0, help="for the aborts, reuses and kills (default: %(default)s)")
+    _add_json(sp)
+    sp.set_defaults(func=cmd_soak, needs_registry=False, plugin=[])
+
     sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
     psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser, metavar="COMMAND")
     sp = psub.add_parser(
@@ -325,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
     )
     sp.add_argument("--store", choices=STORES, default="posix", help="where segments live (default: %(default)s)")
+    sp.add_argument(
+        "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
+    )
     _add_json(sp)
     sp.set_defaults(func=cmd_pipeline, needs_registry=False, plugin=[])
     return p
@@ -649,6 +673,40 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     human.append(f"{len(report.removed)} name(s) {verb}")
     _emit(args, human, report.as_dict() | {"dry_run": args.dry_run})
     return EXIT_OK
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from omnisim.soak import clean, print_report, soak
+
+    if args.kill_every and not args.processes:
+        raise UsageError("--kill-every kills stage processes: it needs --processes")
+    bar = None
+    if not args.json and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.requests, unit="req", desc="soak", file=sys.stderr)
+
+    def progress(done: int, report: Any) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+            bar.set_postfix({"problems": len(report.problems), "killed": report.kills}, refresh=False)
+
+    try:
+        report = soak(
+            args.requests,
+            args.concurrency,
+            processes=args.processes,
+            kill_every=args.kill_every,
+            seed=args.seed,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print_report(report)
+    if args.json:
+        print(json.dumps(report.as_dict(), sort_keys=True))
+    return EXIT_OK if clean(report) else EXIT_VIOLATION
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:

@@ -19,6 +19,10 @@ kind                       fires at (default)    what happens
 ``crash_reader``           ``shm.get.locked``    the reading task's process dies there
 ``stall``                  ``shm.get.locked``    the task hangs there for good (SIGSTOP of a
                                                  thread): its process lives and keeps its locks
+``crash_stage``            ``shm.put.begin``     the stage process of the task dies there
+                                                 (SIGKILL), all of its tasks with it
+``pause_stage``            ``shm.put.written``   the stage process of the task stops there for
+                                                 ``world.PAUSE_S`` (SIGSTOP … SIGCONT), locks held
 ``corrupt_bytes``          ``shm.put.committed`` a byte of the committed segment flips
 ``forged_frame``           ``shm.put.committed`` the segment is replaced by a forged frame: valid
                                                  trailer and checksum, overlapping buffers
@@ -68,6 +72,8 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | N
     "crash_writer": ("shm.put.written", None),
     "crash_reader": ("shm.get.locked", None),
     "stall": ("shm.get.locked", None),
+    "crash_stage": ("shm.put.begin", None),
+    "pause_stage": ("shm.put.written", None),
     "corrupt_bytes": ("shm.put.committed", None),
     "forged_frame": ("shm.put.committed", None),
 }

@@ -118,7 +118,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:
-        engine = build_engine(config, Models.build(args.device), store)
+        engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
         result = trio.run(
             lambda: run_request(
                 engine,
@@ -137,6 +137,8 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         raise CommandFailed(f"request {request_id} failed: {result.error}")
     if "text" in modalities:
         print(result.text)
+    where = "as processes" if args.processes or config.deploy.processes else "in process"
+    print(f"stages ready in {result.startup_s:.2f} s ({where})")
     payload: dict[str, Any] = {
         "text": result.text,
         "request_id": request_id,
@@ -145,6 +147,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "time_to_first_audio_s": result.time_to_first_audio_s,
         "total_s": result.total_s,
         "model_s": result.model_s,
+        "startup_s": result.startup_s,
         "async_chunk": args.async_chunk,
         "residue": result.residue,
         "swept": leftovers,

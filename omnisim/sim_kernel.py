@@ -34,7 +34,7 @@ import trio
 
 from invariants.observed import TaskState, TraceEvent
 from omnisim.base import stop_requested
-from runtime.kernel import Attr, KTaskGroup, use_kernel
+from runtime.kernel import Attr, KProcess, KStream, KTaskGroup, use_kernel
 
 if TYPE_CHECKING:
     from omnisim.faults import Fault, FaultPlan
@@ -101,6 +101,8 @@ class SimTask:
     notified: bool = False
     #: Cancelled to unwind the task once it was killed and its group moves on.
     scope: trio.CancelScope | None = None
+    #: A killed task's trio task was let go (see ``SimKernel._unwind``).
+    unwound: bool = False
 
     def describe(self) -> TaskState:
         if self.state == READY:
@@ -119,6 +121,8 @@ class _SimGroup:
         self.waiter: SimTask | None = None
 
     def start_soon(self, fn: Callable[[], Awaitable[object]], *, name: str) -> None:
+        if self.kernel.process_for(self) in self.kernel.dead_processes:
+            return  # a dead process starts nothing (what was sent to it is lost)
         task = self.kernel._register(fn, name, self)
         self.live += 1
         self.nursery.start_soon(self.kernel._run_task, task, name=name)
@@ -244,6 +248,12 @@ class SimKernel:
         #: The process new tasks are started in (see :meth:`as_process`); None: their parent's.
         self._spawning: str | None = None
         self.killed: list[SimTask] = []
+        #: Processes that were killed: nothing of theirs runs again.
+        self.dead_processes: set[str] = set()
+        #: Stopped processes (SIGSTOP): process -> when it continues (virtual microseconds).
+        self._paused: dict[str, int] = {}
+        #: Virtual seconds one model computation takes (0: computing takes no time).
+        self.compute_cost_s = 0.0
 
     # == running a world =========================================================================
 
@@ -272,10 +282,13 @@ class SimKernel:
             unsatisfied=self.strategy.unsatisfied(),
         )
 
+    def process_for(self, group: _SimGroup | None) -> str:
+        """The process a task started now in ``group`` belongs to."""
+        return self._spawning or (group.owner.process if group is not None else MAIN_PROCESS)
+
     def _register(self, fn: Callable[[], Awaitable[object]], name: str, group: _SimGroup | None) -> SimTask:
         self._next_tid += 1
-        process = self._spawning or (group.owner.process if group is not None else MAIN_PROCESS)
-        task = SimTask(self._next_tid, name, fn, group, process)
+        task = SimTask(self._next_tid, name, fn, group, self.process_for(group))
         self.tasks.append(task)
         return task
 
@@ -300,10 +313,17 @@ class SimKernel:
         self.tasks.remove(task)
         self.killed.append(task)
 
+    def pause_process(self, process: str, seconds: float) -> None:
+        """SIGSTOP, then SIGCONT ``seconds`` later: none of ``process``'s tasks runs meanwhile
+        (they keep what they hold), then they go on as if nothing happened."""
+        self._emit(self._me(), "process.paused", {"process": process, "for_us": _us(seconds)})
+        self._paused[process] = self.clock_us + _us(seconds)
+
     def kill_process(self, process: str) -> None:
         """SIGKILL: every task of ``process`` stops where it is and is never scheduled again. The
         caller may be one of them (it then never returns from its next kernel call)."""
         self._emit(self._me(), "process.killed", {"process": process})
+        self.dead_processes.add(process)
         for task in [t for t in self.tasks if t.process == process]:
             self._emit(task, "kernel.killed", {"process": process})
             task.state = KILLED
@@ -317,8 +337,11 @@ class SimKernel:
     async def _run_task(self, task: SimTask) -> None:
         task.trio_task = trio.lowlevel.current_task()
         _running.set(task)
-        if not task.go:
+        if not task.go and task.state != KILLED:
             await self._park()
+        if task.state == KILLED:
+            task.unwound = True
+            return  # its process was killed before it ever ran (see _unwind)
         try:
             with trio.CancelScope() as task.scope:
                 await task.fn()
@@ -400,6 +423,8 @@ class SimKernel:
             if self.steps > self.max_steps:
                 return self._stop("step-limit", f"more than {self.max_steps} scheduling steps")
             ready = [t for t in self.tasks if t.state == READY]
+            if self._paused:
+                ready = [t for t in ready if self._paused.get(t.process, 0) <= self.clock_us]
             allowed = self.strategy.allowed(ready) if ready else ready
             if len(allowed) == 1:
                 return allowed[0]
@@ -408,6 +433,9 @@ class SimKernel:
                 self.choices.append(pick.tid)
                 return pick
             timed = [t.wake_at for t in self.tasks if t.wake_at is not None]
+            if self._paused:
+                self._paused = {p: until for p, until in self._paused.items() if until > self.clock_us}
+                timed += [self._paused[t.process] for t in self.tasks if t.process in self._paused]
             if not timed:
                 if ready:
                     return self._stop("unsatisfiable", "the ordering constraints forbid every runnable task")
@@ -423,6 +451,15 @@ class SimKernel:
                 if t.wake_at is not None and t.wake_at <= self.clock_us:
                     t.wake_at = None
                     t.state = READY
+
+    def _unwind(self, task: SimTask) -> None:
+        """Let the trio task of killed ``task`` end. Nothing it does reaches the world any more
+        (``_me`` refuses it); one killed before it ever ran is parked outside its scope."""
+        if task.scope is not None:
+            task.scope.cancel()
+        elif task.trio_task is not None and not task.unwound:
+            trio.lowlevel.reschedule(task.trio_task)
+        task.unwound = True
 
     def _unwind_killed(self) -> None:
         """Every live task is done: unwind the killed ones (parked for good) so trio can end."""
@@ -505,12 +542,25 @@ class SimKernel:
                 await self._yield(me)
             # Killed children are parked for good; trio's nursery still waits for them.
             for task in self.killed:
-                if task.group is group and task.scope is not None:
-                    task.scope.cancel()
+                if task.group is group:
+                    self._unwind(task)
 
     async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
         return fn()
 
+    async def compute(self, fn: Callable[[], T]) -> T:
+        result = fn()  # one logical thread: never a pool
+        if self.compute_cost_s:
+            # Meanwhile the other stages run, as they do while a real one computes.
+            await self.sleep(self.compute_cost_s)
+        return result
+
     async def wait_readable(self, fd: int, timeout: float) -> bool:
         await self.sleep(timeout)
         return False
+
+    def stream(self, sock: object) -> KStream:
+        raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")
+
+    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> KProcess:
+        raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")

@@ -10,6 +10,7 @@ owns, the stage after it reads from there, and :meth:`World.crash` kills it like
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ class Stage:
     process: str = MAIN_PROCESS
 
 
+#: How long a ``pause_stage`` fault stops a process (SIGSTOP … SIGCONT): longer than a
+#: supervisor waits for a heartbeat.
+PAUSE_S = 3.0
+
+
 class World:
     """The stages of one run and the client streams they serve."""
 
@@ -77,8 +83,12 @@ class World:
         #: Process name -> its identity, its store, and its handle on that store.
         self.owners: dict[str, Owner] = {MAIN_PROCESS: self.processes.spawn()}
         self.store = make_store(store_kind, self.owners[MAIN_PROCESS])
-        #: Every namespace of the run: namespace -> (its store, the process that owns it).
-        self.namespaces: dict[str, tuple[Store, str]] = {self.store.namespace: (self.store, MAIN_PROCESS)}
+        #: Every namespace of the run, by a name of the world's own ("ns0", "ns1", … in the order
+        #: they were made, so traces are the same in every run; a POSIX one is really named at
+        #: random): -> (its store, the process that owns it).
+        self.namespaces: dict[str, tuple[Store, str]] = {}
+        self._names = itertools.count()
+        self.add_namespace(self.store, MAIN_PROCESS)
         #: Each simulated process's handles on stores (its own, and the one it reads from).
         self.handles: dict[str, list[ProcessStore]] = {}
         self.wakeups = LocalWakeups()
@@ -121,10 +131,9 @@ class World:
         store: Store = self.store
         if own_process:
             process = f"stage{stage_id}"
-            owner = self.owners[process] = self.processes.spawn()
-            raw = make_store(self.store_kind, owner)
-            self.namespaces[raw.namespace] = (raw, process)
-            store = self._handle(process, raw)
+            raw = make_store(self.store_kind, self.spawn(process))
+            self.add_namespace(raw, process)
+            store = self.handle(process, raw)
         upstream = self.stages.get(stage_id - 1)
         producer = upstream.process if upstream is not None else MAIN_PROCESS
         connector = ShmConnector(
@@ -133,7 +142,7 @@ class World:
             wakeups=self.wakeups,
             # This stage reads the producer's namespace through its own process's handle: what
             # it holds there goes when this process dies, not when the producer does.
-            upstream=self._handle(process, self._raw(upstream.connector.store)) if upstream is not None else None,
+            upstream=self.handle(process, self._raw(upstream.connector.store)) if upstream is not None else None,
             upstream_alive=lambda: self.processes.alive(self.owners[producer]),
         )
         adapter = ChunkTransferAdapter(
@@ -146,7 +155,7 @@ class World:
     def _raw(self, store: Store) -> Store:
         return store.store if isinstance(store, ProcessStore) else store
 
-    def _handle(self, process: str, store: Store) -> Store:
+    def handle(self, process: str, store: Store) -> Store:
         """``process``'s handle on ``store`` (the store itself for the world's own process)."""
         if process == MAIN_PROCESS:
             return store
@@ -166,6 +175,53 @@ class World:
         kernel = current_kernel()
         assert isinstance(kernel, SimKernel)
         kernel.faults = faults
+
+    def spawn(self, process: str) -> Owner:
+        """A new simulated process, named ``process`` in this world."""
+        owner = self.owners[process] = self.processes.spawn()
+        return owner
+
+    def add_namespace(self, store: Store, process: str) -> str:
+        """Track ``store``, owned by ``process``; the world's name for it."""
+        name = f"ns{next(self._names)}"
+        self.namespaces[name] = (store, process)
+        return name
+
+    def new_namespace(self) -> str:
+        """A name for a namespace that the process which claims it will make (see :meth:`claim`)."""
+        return f"ns{next(self._names)}"
+
+    def claim(self, namespace: str, process: str) -> Store:
+        """``process`` owns ``namespace`` from now on, as a stage process that records itself as
+        its namespace's owner; the namespace is made if it is new. Its raw store."""
+        store = self.store_of(namespace)
+        if self.namespaces[namespace][1]:
+            current_kernel().note("world.owner_claimed", ns=namespace)
+        self.namespaces[namespace] = (store, process)
+        return store
+
+    def alive(self, process: str) -> bool:
+        return self.processes.alive(self.owners[process])
+
+    def store_of(self, namespace: str) -> Store:
+        """The store of ``namespace``; one no process claimed yet is made, owned by nobody (as a
+        reader attaches to the namespace of a stage process that is still starting)."""
+        if namespace not in self.namespaces:
+            self.namespaces[namespace] = (make_store(self.store_kind), "")
+        return self.namespaces[namespace][0]
+
+    def sweep_namespace(self, namespace: str) -> None:
+        """What a supervisor does once it buried a stage's life: remove every name of that life's
+        namespace. Records a snapshot right after, for ``no-residue-after-sweep``."""
+        k = current_kernel()
+        store = self.store_of(namespace)
+        for key in store.segments():
+            store.unlink_segment(key)
+            k.note("sweep.removed", ns=namespace, name=f"seg-{key}")
+        for key in store.lock_files():
+            store.remove_lock(key)
+            k.note("sweep.removed", ns=namespace, name=f"lock-{key}")
+        self.snapshot("after sweep")
 
     def crash(self, process: str) -> None:
         """SIGKILL ``process``: its tasks stop for good, the locks it held are released, what it
@@ -193,8 +249,7 @@ class World:
         gone = Owner(self.owners[reuse_pid_of].pid, 0, self.owners[reuse_pid_of].pid_namespace)
         self.owners["dead-engine"] = gone
         store = make_store(self.store_kind, gone)
-        self.namespaces[store.namespace] = (store, "dead-engine")
-        current_kernel().note("world.owner_died", ns=store.namespace)
+        current_kernel().note("world.owner_died", ns=self.add_namespace(store, "dead-engine"))
         for key in keys:
             segment = store.create_segment(key)
             segment.reserve(64)
@@ -206,8 +261,12 @@ class World:
     def apply_fault(self, fault: Fault, task: SimTask, attrs: dict[str, Attr]) -> None:
         """Carry out a fault that acts on the world (see :mod:`omnisim.faults`)."""
         key = str(attrs.get("key"))
-        if fault.kind in ("crash_writer", "crash_reader"):
+        if fault.kind in ("crash_writer", "crash_reader", "crash_stage"):
             self.crash(task.process)
+        elif fault.kind == "pause_stage":
+            kernel = current_kernel()
+            assert isinstance(kernel, SimKernel)
+            kernel.pause_process(task.process, PAUSE_S)
         elif fault.kind == "stall":
             self.stalled = True
             kernel = current_kernel()
@@ -298,7 +357,7 @@ class _WorldDirectory:
 
     def read_owner(self, namespace: str) -> Owner | None:
         found = self._world.namespaces.get(namespace)
-        return self._world.owners[found[1]] if found is not None else None
+        return self._world.owners.get(found[1]) if found is not None else None
 
     def remove(self, name: str) -> None:
         match = namespaces.NAME.fullmatch(name)

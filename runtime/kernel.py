@@ -16,6 +16,7 @@ it runs on.
 from __future__ import annotations
 
 import contextvars
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Protocol, TypeVar
@@ -47,6 +48,31 @@ class KSignal(Protocol):
     async def wait(self, timeout: float) -> bool:
         """Wait until notified or ``timeout`` seconds pass; True if notified."""
         ...
+
+
+class KStream(Protocol):
+    """A byte stream to another process (a connected Unix socket)."""
+
+    async def send_all(self, data: bytes) -> None: ...
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        """Some bytes, at most ``max_bytes``; ``b""`` once the other end closed."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class KProcess(Protocol):
+    """A child OS process."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 class KTaskGroup(Protocol):
@@ -82,8 +108,21 @@ class Kernel(Protocol):
         """Run blocking work; ``cost`` (bytes touched) lets a kernel move large work off-loop."""
         ...
 
+    async def compute(self, fn: Callable[[], T]) -> T:
+        """Run model compute, off the event loop where the kernel can, so that everything else
+        of the process — the other stages, heartbeats, the control plane — goes on meanwhile."""
+        ...
+
     async def wait_readable(self, fd: int, timeout: float) -> bool:
         """Wait until ``fd`` is readable or ``timeout`` passes; True if readable."""
+        ...
+
+    def stream(self, sock: socket.socket) -> KStream:
+        """Wrap a connected socket (one end of a ``socketpair``) as a stream."""
+        ...
+
+    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> KProcess:
+        """Start a child OS process (spawned afresh, never forked from this one)."""
         ...
 
 

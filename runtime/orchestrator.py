@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +37,9 @@ from runtime.models.aligner import ForcedAligner, WordTimestamp
 from runtime.models.code2wav import SAMPLE_RATE
 from runtime.processors.code2wav2aligner import code2wav2aligner
 from runtime.request import Request
-from runtime.sched.ar import ARScheduler
 from runtime.sched.base import IDLE_WAIT_S, StageOutput
-from runtime.sched.generation import GenerationScheduler
 from runtime.serving import OutputKind, SamplingParams, StageAudio, check_input_text
-from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta
+from runtime.stages import ComputeMeter, StageHandle, TalkerFrame, ThinkerDelta
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,8 @@ ABORTED = "aborted"
 SHUT_DOWN = "the engine shut down"
 #: How long a shutdown waits for the requests in flight to be aborted and released.
 SHUTDOWN_GRACE_S = 5.0
+#: How long a new request waits for a stage that is being restarted.
+RESTART_WAIT_S = 60.0
 
 
 class EngineStopped(RuntimeError):
@@ -114,7 +115,7 @@ class Orchestrator:
     def __init__(
         self,
         config: PipelineConfig,
-        stages: dict[int, Stage],
+        stages: Mapping[int, StageHandle],
         *,
         aligner: ForcedAligner | None = None,
         meter: ComputeMeter | None = None,
@@ -139,18 +140,52 @@ class Orchestrator:
     # -- running ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Run every stage's adapter and scheduler, and the release sweeps, until :meth:`shutdown`."""
+        """Run every stage, and the release sweeps, until :meth:`shutdown`."""
         k = current_kernel()
         async with k.task_group() as tasks:
             for sid, stage in self.stages.items():
-                tasks.start_soon(stage.adapter.run, name=f"{stage.spec.name}.adapter")
                 tasks.start_soon(
-                    lambda sid=sid, stage=stage: stage.scheduler.serve(
-                        lambda out, sid=sid: self._on_output(sid, out), forever=True
-                    ),
-                    name=f"{stage.spec.name}.scheduler",
+                    lambda sid=sid, stage=stage: stage.run(lambda out, sid=sid: self._on_output(sid, out)),
+                    name=stage.spec.name,
                 )
             tasks.start_soon(self._release_loop, name="orch.release")
+
+    async def wait_ready(self, timeout_s: float = 120.0, *, stages: Iterable[int] | None = None) -> None:
+        """Wait until every stage (of ``stages``) is up: a stage process loads its model first,
+        and a dead one is being restarted."""
+        k = current_kernel()
+        wanted = [self.stages[sid] for sid in (stages if stages is not None else self.stages)]
+        ends = k.now() + timeout_s
+        while not all(stage.health()["alive"] for stage in wanted):
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            if k.now() >= ends:
+                down = [s.spec.name for s in wanted if not s.health()["alive"]]
+                raise EngineStopped(f"stage(s) {', '.join(down)} not up after {timeout_s:g}s")
+            await k.sleep(0.05)
+
+    def stage_died(self, stage_id: int, reason: str, restarting: bool) -> None:
+        """A stage's process died: every request bound to it fails, once, naming the stage; the
+        other stages drop those requests (their release sweeps follow as usual). A stage that
+        is not restarted (``restart: fail``) takes the engine down with it."""
+        name = self.stages[stage_id].spec.name
+        log.warning("stage %s died: %s", name, reason)
+        current_kernel().note("orch.stage_died", stage=stage_id, reason=reason)
+        for state in list(self.requests.values()):
+            if stage_id in state.stage_requests and stage_id not in state.finished_stages:
+                state.finished_stages.add(stage_id)  # it will report nothing more
+                self._fail(state, f"stage {name} died: {reason}")
+                self._maybe_complete(state)
+        if not restarting:
+            self.shutdown()
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Each stage's health, by name (``alive`` first)."""
+        return {stage.spec.name: stage.health() for stage in self.stages.values()}
+
+    def model_seconds(self) -> float:
+        """Model compute so far: this process's, and what stage processes reported."""
+        return self.meter.total_s + sum(stage.compute_s for stage in self.stages.values())
 
     async def drain(self) -> None:
         """Wait until every request ended and its release sweep ran."""
@@ -172,8 +207,7 @@ class Orchestrator:
 
     def _stop_stages(self) -> None:
         for stage in self.stages.values():
-            stage.scheduler.shutdown()
-            stage.adapter.shutdown()
+            stage.shutdown()
 
     # -- submission -------------------------------------------------------------------------------
 
@@ -195,10 +229,16 @@ class Orchestrator:
             raise ValueError("word_timestamps needs an engine built with a forced aligner")
         final = self.config.final_stage_id(outputs)
         await k.point("orch.submit", req=request_id)
-        while request_id in self.requests and not self._stopping:
+        # Wait until the id is free (the old generation's sweep ran) and every stage it needs is
+        # up (one coming back after its process died is waited for, not failed at) — both at
+        # once: nothing awaits between this check and taking the id.
+        while True:
+            if self._stopping:
+                raise EngineStopped(f"request {request_id!r} was submitted after the engine began to shut down")
+            await self.wait_ready(RESTART_WAIT_S, stages=range(final + 1))
+            if request_id not in self.requests:
+                break
             await self._released.wait(IDLE_WAIT_S)
-        if self._stopping:
-            raise EngineStopped(f"request {request_id!r} was submitted after the engine began to shut down")
         state = RequestState(
             request_id=request_id,
             text=text,
@@ -209,7 +249,9 @@ class Orchestrator:
             word_timestamps=word_timestamps,
         )
         self.requests[request_id] = state
+        k.note("orch.accepted", req=request_id)
         self._submit_stage(state, 0, {"text": text})
+        self._maybe_complete(state)  # only if the Thinker was found down
         if self.async_chunk:
             for sid in self.config.prewarm_stages(final):
                 self._submit_stage(state, sid, None)
@@ -217,7 +259,6 @@ class Orchestrator:
 
     def _submit_stage(self, state: RequestState, stage_id: int, payload: dict[str, Any] | None) -> None:
         """Add the request to one stage: with its whole input, or as a placeholder (``None``)."""
-        stage = self.stages[stage_id]
         request = Request(f"{state.request_id}#{stage_id}", state.request_id)
         if payload is None:
             # Never executed: the first committed chunk replaces it (spec §1.5).
@@ -225,12 +266,13 @@ class Orchestrator:
             request.prompt_token_ids = [0] * prompt_len
         state.stage_requests[stage_id] = request
         self._by_stage_request[(stage_id, request.request_id)] = state
-        scheduler = stage.scheduler
-        if isinstance(scheduler, GenerationScheduler):
-            codes = None if payload is None else payload["codes"]["audio"].tolist()
-            scheduler.add_request(request, codes)
-        elif isinstance(scheduler, ARScheduler):
-            scheduler.add_request(request, payload, sends=stage_id < state.final_stage_id)
+        stage = self.stages[stage_id]
+        if not stage.health()["alive"]:
+            # Its process died and is not back yet: it would never answer (the caller completes).
+            state.finished_stages.add(stage_id)
+            self._fail(state, f"stage {stage.spec.name} is down (its process died)")
+            return
+        stage.submit(request, payload, sends=stage_id < state.final_stage_id)
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -298,7 +340,7 @@ class Orchestrator:
     def _abort_stages(self, state: RequestState) -> None:
         for sid, request in state.stage_requests.items():
             if sid not in state.finished_stages:
-                self.stages[sid].scheduler.request_abort(request.request_id)
+                self.stages[sid].abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         """The client is gone: every stage drops the request, and the client's stream ends with
@@ -364,8 +406,7 @@ class Orchestrator:
     async def _release(self, state: RequestState) -> None:
         """The request-level sweep (spec §2.11), then the id is free for reuse."""
         for stage in self.stages.values():
-            if stage.adapter.sends_chunks:
-                await stage.adapter.release_shm_resources(state.request_id)
+            await stage.release(state.request_id)
         # A give-up of this generation was recorded before its sweep ran (same save FIFO): read it
         # now, while the stage request ids still name this generation and not a reuse of the id.
         self._check_failures()
@@ -379,19 +420,20 @@ class Orchestrator:
         """A stage that gave up sending a chunk (#4855 R1.2), or received one that was corrupt,
         names the stage request: fail its request."""
         for sid, stage in self.stages.items():
-            adapter = stage.adapter
-            for what, failed in (
-                ("gave up sending", adapter.collect_failed_send_request_ids()),
-                ("could not receive", adapter.collect_failed_receive_request_ids()),
-            ):
-                for request_id, reason in failed.items():
-                    state = self._by_stage_request.get((sid, request_id))
-                    if state is None:
-                        log.warning("failure of unknown request %s: %s", request_id, reason)
-                        continue
-                    self._fail(state, f"stage {stage.spec.name} {what}: {reason}")
+            for request_id, reason in stage.collect_failures():
+                state = self._by_stage_request.get((sid, request_id))
+                if state is None:
+                    log.warning("failure of unknown request %s: %s", request_id, reason)
+                    continue
+                self._fail(state, f"stage {stage.spec.name} {reason}")
 
     # -- introspection ----------------------------------------------------------------------------
+
+    async def residue_now(self) -> dict[str, list[str]]:
+        """:meth:`residue`, with every stage asked for what it holds now."""
+        for stage in self.stages.values():
+            await stage.residue_now()
+        return self.residue()
 
     def residue(self) -> dict[str, list[str]]:
         """Everything the engine still holds: its own tables, then each stage's, by name."""

@@ -8,7 +8,7 @@ clock) or under the simulator.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,20 +18,49 @@ from runtime.config.pipeline import PipelineConfig
 from runtime.config.topology import OutputType
 from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
+from runtime.models._build import module_device
 from runtime.models.aligner import WordTimestamp
 from runtime.orchestrator import Orchestrator
+from runtime.process_stage import ProcessStage, StageLaunch
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S
-from runtime.stages import ComputeMeter, Models, build_stages
+from runtime.stages import ComputeMeter, Models, StageHandle, build_stages, check_shape
 
 __all__ = ["Models", "PipelineResult", "build_engine", "run_request"]
 
 
 def build_engine(
-    config: PipelineConfig, models: Models, store: Store, *, input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S
+    config: PipelineConfig,
+    models: Models,
+    store: Store,
+    *,
+    input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+    processes: bool | None = None,
 ) -> Orchestrator:
+    """The engine of ``config``: its stages in this process over ``store`` (whose models are
+    ``models``), or — with ``processes`` (default: the deploy file's ``processes``) — each stage
+    in an OS process of its own that builds its own model, on the device of the corresponding
+    model in ``models`` (``store``'s namespace is then the one the stages' cross-process wakeups
+    live in)."""
     meter = ComputeMeter()
-    stages = build_stages(config, models, store, meter, input_wait_timeout_s=input_wait_timeout_s)
-    return Orchestrator(config, stages, aligner=models.aligner, meter=meter)
+    if not (config.deploy.processes if processes is None else processes):
+        stages = build_stages(config, models, store, input_wait_timeout_s=input_wait_timeout_s)
+        return Orchestrator(config, stages, aligner=models.aligner, meter=meter)
+    check_shape(config)
+    handles: dict[int, StageHandle] = {}
+    engine = Orchestrator(config, handles, aligner=models.aligner, meter=meter)
+    launch = StageLaunch(
+        pipeline=config.name,
+        async_chunk=config.deploy.async_chunk,
+        wake_namespace=store.namespace,
+        input_wait_timeout_s=input_wait_timeout_s,
+        restart=config.deploy.restart,
+    )
+    upstream: ProcessStage | None = None
+    for spec in config.stages:
+        device = str(module_device(getattr(models, spec.model)))
+        upstream = ProcessStage(spec, replace(launch, device=device), upstream=upstream, on_death=engine.stage_died)
+        handles[spec.stage_id] = upstream
+    return engine
 
 
 @dataclass
@@ -42,6 +71,8 @@ class PipelineResult:
     time_to_first_audio_s: float | None
     total_s: float
     model_s: float
+    #: From starting the engine until every stage was ready (models loaded; processes spawned).
+    startup_s: float = 0.0
     error: str | None = None
     residue: dict[str, list[str]] = field(default_factory=dict)
 
@@ -66,7 +97,9 @@ async def run_request(
     first_audio: float | None = None
     error: str | None = None
     async with k.task_group() as tasks:
+        launched = k.now()
         tasks.start_soon(engine.run, name="engine")
+        await engine.wait_ready()
         start = k.now()
         async for out in generate(engine, text, modalities, word_timestamps=word_timestamps, request_id=request_id):
             if on_output is not None:
@@ -82,7 +115,7 @@ async def run_request(
                 error = out.error
         total = k.now() - start
         await engine.drain()  # the release sweep runs after the terminal
-        residue = {**engine.residue(), "segments": store.segments(), "lock_files": store.lock_files()}
+        residue = {**await engine.residue_now(), "segments": store.segments(), "lock_files": store.lock_files()}
         engine.shutdown()
     return PipelineResult(
         text="".join(pieces),
@@ -90,7 +123,8 @@ async def run_request(
         timestamps=stamps,
         time_to_first_audio_s=first_audio,
         total_s=total,
-        model_s=engine.meter.total_s,
+        model_s=engine.model_seconds(),
+        startup_s=start - launched,
         error=error,
         residue={name: items for name, items in residue.items() if items},
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -10,13 +11,20 @@ from typing import TypeVar
 
 import trio
 
-from runtime.kernel import Attr, KTaskGroup
+from runtime.kernel import Attr, KTaskGroup, use_kernel
 
 T = TypeVar("T")
 
 #: Blocking work touching more bytes than this runs on a worker thread, so one large copy does
 #: not stall every other stage task in the process.
 OFFLOAD_BYTES = 4 << 20
+
+
+def run(fn: Callable[..., Awaitable[T]], *args: object, compute_in_threads: bool = False) -> T:
+    """Run ``fn(*args)`` in a fresh trio loop on a real kernel of its own (a process's entry
+    point); see :class:`RealKernel` for ``compute_in_threads``."""
+    with use_kernel(RealKernel(compute_in_threads=compute_in_threads)):
+        return trio.run(fn, *args)
 
 
 class _Signal:
@@ -55,6 +63,28 @@ class _Lock:
         self._lock.release()
 
 
+class _Stream:
+    """A trio socket stream whose failures are ``ConnectionError``s, as the seam promises."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+
+    async def send_all(self, data: bytes) -> None:
+        try:
+            await self._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise ConnectionError(str(e)) from None
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        try:
+            return await self._stream.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise ConnectionError(str(e)) from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 class _TaskGroup:
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -64,7 +94,15 @@ class _TaskGroup:
 
 
 class RealKernel:
-    """Points are free, locks and signals are trio's, time is the real clock."""
+    """Points are free, locks and signals are trio's, time is the real clock.
+
+    Model compute runs on the event loop (one thread: the stages of one process take turns,
+    which costs less here than handing every step to a thread), unless ``compute_in_threads``
+    (a stage process: its heartbeats and control plane must go on while a long step runs).
+    """
+
+    def __init__(self, *, compute_in_threads: bool = False) -> None:
+        self.compute_in_threads = compute_in_threads
 
     async def point(self, name: str, /, **attrs: Attr) -> None:
         return None
@@ -93,6 +131,19 @@ class RealKernel:
         if cost < OFFLOAD_BYTES:
             return fn()
         return await trio.to_thread.run_sync(fn)
+
+    def stream(self, sock: socket.socket) -> _Stream:
+        return _Stream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+
+    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> trio.Process:
+        # A new session: a Ctrl-C at the terminal reaches the head only, which stops its
+        # children itself, in order.
+        return await trio.lowlevel.open_process(argv, pass_fds=pass_fds, start_new_session=True)
+
+    async def compute(self, fn: Callable[[], T]) -> T:
+        if self.compute_in_threads:
+            return await trio.to_thread.run_sync(fn)
+        return fn()
 
     async def wait_readable(self, fd: int, timeout: float) -> bool:
         if not math.isfinite(timeout) or timeout <= 0:

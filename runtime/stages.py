@@ -15,8 +15,8 @@ into its own process without the others noticing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -39,7 +39,7 @@ from runtime.processors.talker2code2wav import (
 from runtime.processors.thinker2talker import talker_input, thinker2talker_async_chunk, thinker2talker_full_payload
 from runtime.request import Request
 from runtime.sched.ar import ARScheduler, ARStep
-from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageScheduler
+from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageOutput, StageScheduler
 from runtime.sched.generation import GenerationScheduler, ScheduledChunk
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
@@ -200,19 +200,106 @@ def code2wav_runner(model: Code2Wav, meter: ComputeMeter) -> Callable[[list[Sche
     return run_model
 
 
+#: Receives a stage's outputs, one by one, as the stage produces them.
+OnOutput = Callable[[StageOutput], None]
+
+
+class StageHandle(Protocol):
+    """How the orchestrator reaches a stage — and the only way: submit, abort, release an id's
+    resources, run (outputs flow to a callback), failures, residue, health. Two kinds exist: a
+    :class:`Stage` runs in the engine's own process; a :class:`~runtime.process_stage.ProcessStage`
+    runs the same code in an OS process of its own."""
+
+    spec: StageSpec
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds of model compute so far."""
+        ...
+
+    def submit(self, request: Request, payload: dict[str, Any] | None, *, sends: bool) -> None:
+        """Add a request: with its whole input, or (``payload`` None) as a prewarm placeholder
+        fed by chunks. ``sends=False``: its outputs stop here (the request's last stage)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request between two steps; returns at once (the stage reports it finished)."""
+        ...
+
+    async def release(self, ext: str) -> int:
+        """Reclaim the unread chunks this stage sent for external id ``ext`` (spec §2.11)."""
+        ...
+
+    def collect_failures(self) -> list[tuple[str, str]]:
+        """Requests (stage request id, reason) a send or a receive failed for, since last asked."""
+        ...
+
+    async def run(self, on_output: OnOutput) -> None:
+        """Run the stage until :meth:`shutdown`, handing every output to ``on_output``."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+    def residue(self) -> dict[str, list[str]]: ...
+
+    async def residue_now(self) -> dict[str, list[str]]:
+        """The residue as of now (for a stage elsewhere, asked for and awaited)."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """At least ``{"alive": bool}``."""
+        ...
+
+
 @dataclass
 class Stage:
-    """One stage: what it is, its adapter, its scheduler."""
+    """One stage in the engine's own process: what it is, its adapter, its scheduler."""
 
     spec: StageSpec
     adapter: ChunkTransferAdapter
     scheduler: StageScheduler
     #: The AR stages' model side (its per-request state counts as residue); None for Code2Wav.
     worker: ThinkerWorker | TalkerWorker | None = None
+    #: This stage's model compute (one meter per stage: stages compute in threads of their own).
+    meter: ComputeMeter = field(default_factory=lambda: ComputeMeter())
 
     @property
     def stage_id(self) -> int:
         return self.spec.stage_id
+
+    @property
+    def compute_s(self) -> float:
+        return self.meter.total_s
+
+    def submit(self, request: Request, payload: dict[str, Any] | None, *, sends: bool) -> None:
+        if isinstance(self.scheduler, GenerationScheduler):
+            codes = None if payload is None else payload["codes"]["audio"].tolist()
+            self.scheduler.add_request(request, codes)
+        elif isinstance(self.scheduler, ARScheduler):
+            self.scheduler.add_request(request, payload, sends=sends)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.request_abort(request_id)
+
+    async def release(self, ext: str) -> int:
+        return await self.adapter.release_shm_resources(ext) if self.adapter.sends_chunks else 0
+
+    def collect_failures(self) -> list[tuple[str, str]]:
+        sent = self.adapter.collect_failed_send_request_ids()
+        received = self.adapter.collect_failed_receive_request_ids()
+        return [(rid, f"gave up sending: {why}") for rid, why in sent.items()] + [
+            (rid, f"could not receive: {why}") for rid, why in received.items()
+        ]
+
+    async def run(self, on_output: OnOutput) -> None:
+        k = current_kernel()
+        async with k.task_group() as tasks:
+            tasks.start_soon(self.adapter.run, name=f"{self.spec.name}.adapter")
+            tasks.start_soon(lambda: self.scheduler.serve(on_output, forever=True), name=f"{self.spec.name}.scheduler")
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.adapter.shutdown()
 
     def residue(self) -> dict[str, list[str]]:
         """Everything the stage still holds, by component and structure."""
@@ -224,6 +311,12 @@ class Stage:
         if self.worker is not None:
             parts["worker"] = self.worker.residue()
         return {f"{part}.{name}": items for part, held in parts.items() for name, items in held.items() if items}
+
+    async def residue_now(self) -> dict[str, list[str]]:
+        return self.residue()
+
+    def health(self) -> dict[str, Any]:
+        return {"alive": True, **self.adapter.connector.health()}
 
 
 def processor_for(name: str | None, config: PipelineConfig, spec: StageSpec) -> Processor | None:
@@ -238,42 +331,62 @@ def processor_for(name: str | None, config: PipelineConfig, spec: StageSpec) -> 
 MODELS = ("thinker", "talker", "code2wav")
 
 
+def build_stage(
+    config: PipelineConfig,
+    spec: StageSpec,
+    model: Thinker | Talker | Code2Wav,
+    connector: ShmConnector,
+    meter: ComputeMeter,
+    *,
+    input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+) -> Stage:
+    """Stage ``spec`` of ``config``, running ``model`` and sending/receiving through ``connector``."""
+    sid = spec.stage_id
+    sends = sid < len(config.stages) - 1 and config.delivery((sid, sid + 1)) == "chunks"
+    adapter = ChunkTransferAdapter(
+        connector,
+        processor=processor_for(config.processors(sid).next_stage, config, spec) if sends else None,
+        receives_chunks=config.stage_receives_chunks(sid),
+        sends_chunks=sends,
+        worker_type="ar" if spec.kind is StageKind.LLM_AR else "generation",
+        name=spec.name,
+    )
+    if isinstance(model, Code2Wav):
+        runner = code2wav_runner(model, meter)
+        return Stage(spec, adapter, GenerationScheduler(adapter, runner, input_wait_timeout_s), meter=meter)
+    worker = (
+        ThinkerWorker(model, meter, collect=not sends)
+        if isinstance(model, Thinker)
+        else TalkerWorker(model, meter, collect=not sends)
+    )
+    return Stage(spec, adapter, ARScheduler(adapter, worker, input_wait_timeout_s), worker, meter)
+
+
+def check_shape(config: PipelineConfig) -> None:
+    if tuple(s.model for s in config.stages) != MODELS:
+        raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
+
+
 def build_stages(
     config: PipelineConfig,
     models: Models,
     store: Store,
-    meter: ComputeMeter,
     *,
     wakeups: LocalWakeups | None = None,
     input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
 ) -> dict[int, Stage]:
-    """The three stages of a Qwen3-Omni-shaped ``config`` over ``store`` (one process)."""
-    if tuple(s.model for s in config.stages) != MODELS:
-        raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
+    """The three stages of a Qwen3-Omni-shaped ``config`` over ``store``, in this process, each
+    with a compute meter of its own."""
+    check_shape(config)
     wakeups = wakeups if wakeups is not None else LocalWakeups()
-    stages: dict[int, Stage] = {}
-    last = len(config.stages) - 1
-    for spec in config.stages:
-        sid = spec.stage_id
-        sends = sid < last and config.delivery((sid, sid + 1)) == "chunks"
-        adapter = ChunkTransferAdapter(
-            ShmConnector(store, stage_id=sid, wakeups=wakeups),
-            processor=processor_for(config.processors(sid).next_stage, config, spec) if sends else None,
-            receives_chunks=config.stage_receives_chunks(sid),
-            sends_chunks=sends,
-            worker_type="ar" if spec.kind is StageKind.LLM_AR else "generation",
-            name=spec.name,
+    return {
+        spec.stage_id: build_stage(
+            config,
+            spec,
+            getattr(models, spec.model),
+            ShmConnector(store, stage_id=spec.stage_id, wakeups=wakeups),
+            ComputeMeter(),
+            input_wait_timeout_s=input_wait_timeout_s,
         )
-        worker: ThinkerWorker | TalkerWorker | None = None
-        scheduler: StageScheduler
-        if spec.model == "code2wav":
-            scheduler = GenerationScheduler(adapter, code2wav_runner(models.code2wav, meter), input_wait_timeout_s)
-        else:
-            worker = (
-                ThinkerWorker(models.thinker, meter, collect=not sends)
-                if spec.model == "thinker"
-                else TalkerWorker(models.talker, meter, collect=not sends)
-            )
-            scheduler = ARScheduler(adapter, worker, input_wait_timeout_s)
-        stages[sid] = Stage(spec, adapter, scheduler, worker)
-    return stages
+        for spec in config.stages
+    }

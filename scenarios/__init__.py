@@ -11,9 +11,11 @@ from scenarios import (  # noqa: F401
     mutants_codec,
     mutants_dataplane,
     mutants_pipeline,
+    mutants_stages,
     pipeline,
     race_6670,
     race_8082,
+    stage_crash,
 )
 
 #: The seed's race table (#8082 a–i) and #6670 (a, b), by the names the issues use.

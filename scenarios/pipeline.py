@@ -179,6 +179,9 @@ class Client:
                 self.outputs.append(out)
                 self.stream.chunks.append((0, out.finished))
                 if out.finished:
+                    self.stream.terminals += 1
+                    self.stream.ended_us = round(current_kernel().now() * 1e6)
+                    self.stream.error = out.error
                     self.stream.outcome = {None: "finished", "aborted": "aborted", SHUT_DOWN: "shut down"}.get(
                         out.error, "failed"
                     )

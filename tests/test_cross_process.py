@@ -281,6 +281,24 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
     assert names_of(namespace) == []
 
 
+def test_a_dead_receivers_fifo_is_removed_by_the_next_notify() -> None:
+    """A stage process killed with SIGKILL never closes its receiver: its FIFO, with no reader
+    left, is removed by the next sender instead of being tried on every notify forever."""
+    namespace = posix_store.new_namespace()  # a namespace no store claimed
+    live, sender = FifoWakeups(namespace), FifoWakeups(namespace)
+    try:
+        assert live.generation("1") == 0
+        dead = os.path.join(live.directory, "1_" + "0" * 32)
+        os.mkfifo(dead, 0o600)  # what a killed receiver leaves: a FIFO nobody reads
+        sender.notify("1")
+        assert os.listdir(live.directory) == [os.path.basename(live._receivers["1"].path)]
+        assert live._receivers["1"].drain()  # the live receiver still got its wakeup
+    finally:
+        live.close()
+        sender.close()
+    assert names_of(namespace) == []
+
+
 def test_fifo_wakeups_close_unlinks_fifo_and_directory() -> None:
     namespace = posix_store.new_namespace()  # a namespace no store claimed
     a, b = FifoWakeups(namespace), FifoWakeups(namespace)

@@ -36,8 +36,9 @@ def digest_in_subprocess(args: list[str], hash_seed: str) -> str:
         ["similar_ids", "--seed", "1", "--mutant", "prefix_cleanup"],
         ["pipeline_concurrent_chaos", "--seed", "2", "--store", "posix"],
         ["id_reuse_after_cancel", "--seed", "4", "--strategy", "pct"],
+        ["stage_crash", "--seed", "6", "--store", "posix", "--param", "crash=talker@mid_stream"],
     ],
-    ids=["random", "posix", "ordered", "mutant", "pipeline", "pct"],
+    ids=["random", "posix", "ordered", "mutant", "pipeline", "pct", "stage-crash"],
 )
 def test_trace_digest_is_the_same_across_processes_and_hash_seeds(args: list[str]) -> None:
     assert digest_in_subprocess(args, "1") == digest_in_subprocess(args, "12345")

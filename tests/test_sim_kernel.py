@@ -511,6 +511,8 @@ def test_fault_nth_hit_and_point_table() -> None:
         "stall": "shm.get.locked",
         "corrupt_bytes": "shm.put.committed",
         "forged_frame": "shm.put.committed",
+        "crash_stage": "shm.put.begin",
+        "pause_stage": "shm.put.written",
     }
     assert Fault("crash_writer", at="shm.put.created").point == "shm.put.created"
 
@@ -564,3 +566,60 @@ def test_trace_is_identical_across_processes_and_hash_seeds() -> None:
     here: dict[str, object] = {"__name__": "digest"}
     exec(_DIGEST, here)
     assert digests == {here["DIGEST"]}
+
+
+# == processes: SIGKILL and SIGSTOP of a group of tasks =====================================================
+
+
+def test_a_killed_process_stops_its_tasks_and_the_others_go_on() -> None:
+    """Issue 10: the process is killed before one of its tasks ever ran; the group that started
+    them must still end (a PCT schedule of ``stage_crash`` once hung here)."""
+    ran: list[str] = []
+
+    async def main() -> None:
+        k = current_kernel()
+        assert isinstance(k, SimKernel)
+
+        async def worker(name: str) -> None:
+            for _ in range(2):
+                await k.point("work", who=name)
+            ran.append(name)
+
+        async with k.task_group() as tasks:
+            with k.as_process("victim"):
+                tasks.start_soon(lambda: worker("victim.a"), name="victim.a")
+                tasks.start_soon(lambda: worker("victim.b"), name="victim.b")
+            tasks.start_soon(lambda: worker("survivor"), name="survivor")
+            await k.point("spawned")
+            k.kill_process("victim")  # with some seeds, before a victim task ever ran
+            with k.as_process("victim"):
+                tasks.start_soon(lambda: worker("victim.c"), name="victim.c")  # a dead process starts nothing
+
+    for seed in range(20):
+        ran.clear()
+        out = sim(seed).run(main)
+        assert out.stop_reason is None, out.detail
+        assert "survivor" in ran and "victim.c" not in ran
+        assert [e[2] for e in events(out, "process.killed")] == [{"process": "victim"}]
+
+
+def test_a_paused_process_runs_nothing_until_it_continues() -> None:
+    times: dict[str, float] = {}
+
+    async def main() -> None:
+        k = current_kernel()
+        assert isinstance(k, SimKernel)
+
+        async def worker(name: str) -> None:
+            await k.point("work", who=name)
+            times[name] = k.now()
+
+        async with k.task_group() as tasks:
+            with k.as_process("sleeper"):
+                tasks.start_soon(lambda: worker("sleeper"), name="sleeper")
+            tasks.start_soon(lambda: worker("awake"), name="awake")
+            k.pause_process("sleeper", 2.0)
+
+    out = sim(0).run(main)
+    assert out.stop_reason is None, out.detail
+    assert times == {"awake": 0.0, "sleeper": 2.0}

@@ -62,12 +62,25 @@ class DeployConfig:
     async_chunk: bool = True
     chunking: CodecChunking = field(default_factory=CodecChunking)
     stages: tuple[StageDeploy, ...] = ()
+    #: Each stage in an OS process of its own (the head runs the orchestrator).
+    processes: bool = False
+    #: What happens when a stage process dies: it is restarted (with back-off), or stays down.
+    restart: str = "restart"
 
     def stage(self, stage_id: int) -> StageDeploy:
         return self.stages[stage_id]
 
 
-DEPLOY_KEYS = ("async_chunk", "initial_codec_chunk_frames", "codec_chunk_frames", "codec_left_context_frames", "stages")
+DEPLOY_KEYS = (
+    "async_chunk",
+    "initial_codec_chunk_frames",
+    "codec_chunk_frames",
+    "codec_left_context_frames",
+    "stages",
+    "processes",
+    "restart",
+)
+RESTART_POLICIES = ("restart", "fail")
 STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -111,8 +124,13 @@ def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployCo
             device=check_device(stage_fields.get_str("device", "cpu"), stage_fields.at("device")),
             connector_role=stage_fields.get_optional_enum("connector_role", ConnectorRole),
         )
+    restart = fields.get_str("restart", "restart")
+    if restart not in RESTART_POLICIES:
+        raise ConfigError(f"{fields.at('restart')}: expected one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
     return DeployConfig(
         async_chunk=fields.get_bool("async_chunk", True),
         chunking=chunking,
         stages=tuple(stages),
+        processes=fields.get_bool("processes", False),
+        restart=restart,
     )

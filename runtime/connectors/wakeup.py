@@ -12,6 +12,7 @@ generation to change instead of sleeping, so a put landing mid-pass is never sle
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -136,7 +137,10 @@ class FifoWakeups:
         try:
             if not self._own_directory():
                 return None
-            path = os.path.join(self.directory, f"{stage}_{uuid.uuid4().hex}")
+            # Made under a name no notifier looks at, and given its real name only once its read
+            # end is open: a FIFO under a real name without a reader is a dead receiver's.
+            name = f"{stage}_{uuid.uuid4().hex}"
+            path = os.path.join(self.directory, f"new.{name}")
             os.mkfifo(path, 0o600)
         except OSError as e:
             log.warning("wakeups disabled for stage %s: %s", stage, e)
@@ -148,6 +152,9 @@ class FifoWakeups:
                 raise OSError(f"{path} is not a FIFO")
             # The hold end keeps the FIFO from reporting EOF (a spin) while no sender has it open.
             hold_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            named = os.path.join(self.directory, name)
+            os.rename(path, named)
+            path = named
         except OSError:
             for fd in (read_fd, hold_fd):
                 if fd >= 0:
@@ -169,9 +176,13 @@ class FifoWakeups:
         for name in names:
             if not name.startswith(f"{to_stage}_"):
                 continue
+            path = os.path.join(self.directory, name)
             try:
-                fd = os.open(os.path.join(self.directory, name), os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-            except OSError:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no reader: its process died (see _receiver)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                 continue
             try:
                 st = os.fstat(fd)

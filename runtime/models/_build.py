@@ -1,7 +1,7 @@
 """How every toy model gets its weights: from a fixed seed, on the CPU, then moved to its device.
 
-The modules are declared on the ``meta`` device (no storage, no random draws) and then filled
-from a private :class:`torch.Generator`. Two consequences the pipeline relies on:
+The modules are declared inside :func:`declaring` and then filled from a private
+:class:`torch.Generator`. Two consequences the pipeline relies on:
 
 * the weights are a function of the seed alone: the same on every machine and every device,
   because they are drawn on the CPU and only then copied to CUDA;
@@ -12,13 +12,25 @@ from a private :class:`torch.Generator`. Two consequences the pipeline relies on
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 
+@contextmanager
+def declaring() -> Iterator[None]:
+    """Where a model declares its layers: on the CPU, with torch's global random state saved and
+    restored around it, so the default initialisation (overwritten by :func:`init_from_seed`)
+    leaves no trace. Not on the ``meta`` device: its ``normal_`` is a Python reference that
+    imports ``torch._dynamo``, which costs every stage process almost a second at start-up."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 def init_from_seed(module: nn.Module, seed: int, device: torch.device | str) -> None:
-    """Give ``module`` (declared on ``meta``) real storage filled from ``seed``, then move it to ``device``.
+    """Fill ``module`` (declared in :func:`declaring`) from ``seed``, then move it to ``device``.
 
     Embedding tables are drawn from N(0, 1); every other weight from N(0, 1/fan_in) (fan_in = the
     product of all but the first dimension), so activations keep a unit-ish scale through the
@@ -28,7 +40,6 @@ def init_from_seed(module: nn.Module, seed: int, device: torch.device | str) -> 
     Afterwards the module is in eval mode with gradients off: these models are only ever run for
     inference, and parameters without ``requires_grad`` keep autograd out of every call.
     """
-    module.to_empty(device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(seed)
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     with torch.no_grad():

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models._build import init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed, module_device
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Code2Wav(nn.Module):
     def __init__(self, *, hidden: int = 32, seed: int = DEFAULT_SEED, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.hidden = hidden
-        with torch.device("meta"):
+        with declaring():
             self.codebook_embed = nn.Embedding(NUM_QUANTIZERS * CODEBOOK_SIZE, hidden)
             self.frame_conv = nn.Conv1d(hidden, hidden, _FRAME_KERNEL)
             self.dilated_conv = nn.Conv1d(hidden, hidden, _DILATED_KERNEL, dilation=_DILATION)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.models._build import init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed, module_device
 from runtime.models.code2wav import CODEBOOK_SIZE, NUM_QUANTIZERS
 from runtime.models.thinker import (
     ACCEPT_HIDDEN_LAYER,
@@ -134,7 +134,7 @@ class Talker(nn.Module):
         super().__init__()
         self.hidden = hidden
         self.text_dim = text_dim
-        with torch.device("meta"):
+        with declaring():
             self.prompt_proj = nn.Linear(2 * text_dim, hidden)
             self.text_proj = nn.Linear(text_dim, hidden)
             self.codec_embed = nn.Embedding(NUM_QUANTIZERS * CODEBOOK_SIZE, hidden)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.models._build import init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed, module_device
 
 PAD_ID = 0
 BOS_ID = 1
@@ -193,7 +193,7 @@ class Thinker(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden = hidden
-        with torch.device("meta"):
+        with declaring():
             self.embed = nn.Embedding(EMBED_BUCKETS, hidden)
             self.layers = nn.ModuleList(nn.GRU(hidden, hidden) for _ in range(NUM_LAYERS))
         init_from_seed(self, seed, device)

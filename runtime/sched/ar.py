@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageOutput, StageScheduler
 from runtime.transfer.adapter import ChunkTransferAdapter
@@ -124,7 +125,7 @@ class ARScheduler(StageScheduler):
         outputs = []
         for request in [r for r in self.requests.values() if self.worker.ready(r)]:
             try:
-                step = self.worker.step(request)
+                step = await current_kernel().compute(lambda request=request: self.worker.step(request))
             except Exception as e:
                 outputs.append(await self._fail(request, f"model step failed: {type(e).__name__}: {e}"))
                 continue

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageOutput, StageScheduler
 from runtime.transfer.adapter import ChunkTransferAdapter
@@ -90,7 +91,7 @@ class GenerationScheduler(StageScheduler):
         try:
             scheduled, finishing = self._schedule()
             try:
-                results = self.run_model(scheduled) if scheduled else []
+                results = await current_kernel().compute(lambda: self.run_model(scheduled)) if scheduled else []
             except Exception as e:
                 reason = f"model run failed: {type(e).__name__}: {e}"
                 outputs += [await self._fail(chunk.request, reason) for chunk in scheduled]

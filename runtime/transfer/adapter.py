@@ -485,7 +485,7 @@ class ChunkTransferAdapter:
 
     async def _run_release_task(self, task: ReleaseTask) -> None:
         k = current_kernel()
-        await k.point("adapter.release.begin", ext=task.ext)
+        await k.point("adapter.release.begin", ext=task.ext, stage=self.stage_id)
         task.removed = await self.connector.cleanup_prefix(f"{task.ext}_{self.stage_id}_")
         k.note("adapter.release.end", ext=task.ext, removed=task.removed)
         self._released.notify()
@@ -495,7 +495,7 @@ class ChunkTransferAdapter:
     async def cleanup_sender(self, ext: str) -> None:
         """Retire the sender generation of ``ext`` (spec §3.5). Idempotent; returns at once."""
         k = current_kernel()
-        await k.point("adapter.cleanup_sender.begin", ext=ext)
+        await k.point("adapter.cleanup_sender.begin", ext=ext, stage=self.stage_id)
         async with self._sender_state_lock:
             token = self._sender_tokens.get(ext)
             if token is None:
@@ -581,7 +581,9 @@ class ChunkTransferAdapter:
             )
         except CorruptChunk as e:
             # Consumed, and never coming back: the request fails now, not at its input deadline.
-            self.record_receive_failure(req_id, str(e))
+            self.record_receive_failure(
+                req_id, f"the chunk {e.key} from stage {self.stage_id - 1} is corrupt: {e.cause}"
+            )
             self.chunk_ready.notify()
             return True
         async with self._receiver_state_lock:

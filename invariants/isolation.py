@@ -1,0 +1,91 @@
+"""Fault-isolation invariants: a dead stage takes only its own requests down, and a request that
+ended early stops costing work."""
+
+from __future__ import annotations
+
+import re
+
+from invariants import invariant
+from invariants.observed import ObservedWorld
+
+#: How a stage process is named in the trace: ``stage1.talker.0`` is the Talker's first life.
+_LIFE = re.compile(r"stage(?P<id>\d+)\.(?P<name>\w+)\.\d+")
+
+
+@invariant(
+    "fault-isolation",
+    "when a stage process dies, only requests bound to it fail — each once, with an error naming the stage",
+)
+def fault_isolation(world: ObservedWorld) -> list[str]:
+    # A failure may name the stage (its Code2Wav found "the chunk … from stage 1" corrupt).
+    dead = {
+        name
+        for ev in world.trace
+        if ev.name == "process.killed" and (match := _LIFE.fullmatch(str(ev.attrs["process"])))
+        for name in (f"stage {match.group('name')}", f"stage {match.group('id')}")
+    }
+    if not dead:
+        return []
+    out = []
+    for s in world.streams.values():
+        if s.outcome != "failed":
+            continue
+        if "failed" not in s.allowed_outcomes:
+            out.append(f"request {s.request_id} failed ({s.error}) though it was not bound to a stage that died")
+        elif s.terminals != 1:
+            out.append(f"request {s.request_id} got {s.terminals} error terminals")
+        elif not any(re.search(rf"{stage}\b", s.error or "") for stage in dead):
+            out.append(
+                f"request {s.request_id} failed with {s.error!r}, which names no stage that died ({sorted(dead)})"
+            )
+    return out
+
+
+@invariant(
+    "abort-stops-work",
+    "once a request failed or was aborted, each stage sends at most one more chunk of it (the step in flight)",
+)
+def abort_stops_work(world: ObservedWorld) -> list[str]:
+    out = []
+    stopped: dict[str, dict[str, int]] = {}  # ext -> stage request -> chunks queued since
+    for ev in world.trace:
+        if ev.name in ("orch.fail", "orch.abort.begin"):
+            stopped.setdefault(str(ev.attrs["req"]), {})
+        elif ev.name == "orch.accepted":
+            stopped.pop(str(ev.attrs["req"]), None)  # a new generation of the id
+        elif ev.name == "adapter.save_async" and (since := stopped.get(str(ev.attrs["ext"]))) is not None:
+            req = str(ev.attrs["req"])
+            since[req] = since.get(req, 0) + 1
+            if since[req] == 2:
+                out.append(
+                    f"{ev.task} kept working on {req} after its request ended (a second chunk at event {ev.index})"
+                )
+    return out
+
+
+#: How soon a request bound to a stage that died or stopped must end: the supervisor's
+#: 1 s of silence, its 0.2 s watch period, and the surviving stages' next step.
+NOTICE_US = 1_500_000
+
+
+@invariant(
+    "death-noticed",
+    "a stage process that dies or stops is given up on within 1.5 s: the requests it held end by then "
+    "(and one that cannot finish without it fails)",
+)
+def death_noticed(world: ObservedWorld) -> list[str]:
+    out = []
+    for ev in world.trace:
+        if ev.name not in ("process.killed", "process.paused") or not _LIFE.fullmatch(str(ev.attrs["process"])):
+            continue
+        for s in world.streams.values():
+            held = s.outcome == "failed" or s.allowed_outcomes == {"failed"}
+            if not held or (s.ended_us is not None and s.ended_us < ev.time_us):
+                continue
+            late = (s.ended_us if s.ended_us is not None else world.end_time_us) - ev.time_us
+            if late > NOTICE_US:
+                out.append(
+                    f"request {s.request_id} ended {s.outcome} {late / 1e6:g}s after {ev.attrs['process']} "
+                    f"{'died' if ev.name == 'process.killed' else 'stopped'}; it must end within {NOTICE_US / 1e6:g}s"
+                )
+    return out

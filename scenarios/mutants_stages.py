@@ -1,0 +1,88 @@
+"""Mutants of fault isolation (issue 10): the supervisor and the orchestrator's handling of a stage
+process that dies or stops, each found by ``stage_crash`` through the invariant it declares.
+
+Issue 10 also asked for "restart re-using the dead namespace". It is not here because, in this
+design, it is an equivalent mutant: the supervisor kills and sweeps the dead life's namespace
+*before* it starts the next life, a life claims its namespace under the owner lock before it
+writes, and a consumer claims a chunk under that same lock, so a restarted stage writing into its
+old (now empty) namespace is observably the same as one writing into a fresh one. A fresh
+namespace per life is kept because it makes leftovers attributable to exactly one dead process
+when a sweep itself is interrupted; ``stage_crash`` cannot interrupt the supervisor's sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from omnisim.registry import Patch, mutant
+from runtime.kernel import current_kernel
+from runtime.orchestrator import Orchestrator, RequestState
+from runtime.supervisor import HEARTBEAT_S, Life, LocalStage
+
+
+@mutant(
+    "failure_spreads",
+    summary="a stage's death fails every request in flight, not only those bound to the dead stage",
+    issue="issue 10 (upstream: only the requests bound to a dead replica fail)",
+    scenarios=("stage_crash",),
+    expect=("fault-isolation",),
+)
+def failure_spreads() -> Iterator[Patch]:
+    def stage_died(self: Orchestrator, stage_id: int, reason: str, restarting: bool) -> None:
+        for state in list(self.requests.values()):
+            if stage_id in state.stage_requests:
+                state.finished_stages.add(stage_id)
+            self._fail(state, f"stage {self.stages[stage_id].spec.name} died: {reason}")
+            self._maybe_complete(state)
+
+    yield Patch(Orchestrator, "stage_died", stage_died)
+
+
+@mutant(
+    "survivors_not_aborted",
+    summary="a request that failed (or was aborted) is not dropped by the other stages: they keep computing "
+    "and sending its chunks",
+    issue="issue 10, #4855 R1.2",
+    scenarios=("stage_crash",),
+    expect=("abort-stops-work", "liveness"),
+)
+def survivors_not_aborted() -> Iterator[Patch]:
+    def abort_stages(self: Orchestrator, state: RequestState) -> None:
+        return None
+
+    yield Patch(Orchestrator, "_abort_stages", abort_stages)
+
+
+@mutant(
+    "sweep_before_dead",
+    summary="a silent stage process is swept without being killed first: stopped, not dead, it holds its "
+    "namespace while the supervisor empties it (and writes into it again when it continues)",
+    issue="issue 10",
+    scenarios=("stage_crash",),
+    expect=("no-residue-after-sweep",),
+)
+def sweep_before_dead() -> Iterator[Patch]:
+    async def bury(self: LocalStage) -> None:
+        return None
+
+    yield Patch(LocalStage, "bury", bury)
+
+
+@mutant(
+    "heartbeat_never_checked",
+    summary="the supervisor notices a stage process that exits, but never one that stops answering: a stopped "
+    "stage holds its requests for as long as it is stopped",
+    issue="issue 10 (upstream: a coordinator with heartbeats)",
+    scenarios=("stage_crash",),
+    expect=("death-noticed",),
+)
+def heartbeat_never_checked() -> Iterator[Patch]:
+    async def watch(self: LocalStage, life: Life) -> str:
+        k = current_kernel()
+        while not self._stopping:
+            await k.sleep(HEARTBEAT_S)
+            if life.exited():
+                return "its process exited"
+        return ""
+
+    yield Patch(LocalStage, "_watch", watch)

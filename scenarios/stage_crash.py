@@ -1,0 +1,130 @@
+"""A stage process dies while requests run (omnisim issue 10).
+
+The engine runs every stage as a process of its own (``processes: true``, modelled by
+:mod:`omnisim.stage_processes`); one of them is SIGKILLed — or SIGSTOPped for longer than its
+supervisor waits — at one phase of a request *V*:
+
+=====================  =============================================================
+phase                  where the stage dies
+=====================  =============================================================
+``before_first_chunk`` before anything of V crossed its edge (the Thinker starts its first
+                       put; a receiving stage just registered for V's first chunk)
+``mid_stream``         in the middle of V's stream (a put half written; a chunk taken
+                       from the segment but not yet handed on)
+``terminal_queued``    right after it queued V's terminal chunk, before sending it
+``during_release``     in the middle of V's release sweep, after V finished
+``during_abort``       while it reclaims V's chunks for the client's abort
+``paused``             stopped (SIGSTOP) half-way through a put for longer than the
+                       heartbeat allows: the supervisor must kill it before sweeping
+=====================  =============================================================
+
+Meanwhile a text-only request T runs on the Thinker alone, and once V ended its id is reused.
+Only requests bound to the dead stage may fail — each once, with an error naming the stage —
+the stage comes back in a new namespace, the reused V is served in full, the dead namespace is
+swept, and an operator's ``omnisim sweep`` afterwards touches nothing alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omnisim.faults import Fault, FaultPlan
+from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
+from omnisim.sim_kernel import SimKernel
+from omnisim.stage_processes import build_process_engine
+from omnisim.world import World
+from runtime.config.pipeline import load_pipeline
+from runtime.kernel import current_kernel
+from scenarios.edge import together
+from scenarios.pipeline import BOUNDARY, REMAINDER, SHORT, Client, abort_once_submitted, engine_of, models
+
+#: Virtual seconds one model call takes: a surviving stage is still busy when a death is found.
+MODEL_STEP_S = 0.02
+STAGE_IDS = {"thinker": 0, "talker": 1, "code2wav": 2}
+
+#: (stage, phase) -> (the fault, the point it fires at, the attrs it matches).
+CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
+    ("thinker", "before_first_chunk"): ("crash_stage", "shm.put.begin", {"key": "V_0_0"}),
+    ("talker", "before_first_chunk"): ("crash_stage", "adapter.load_async", {"req": "V#1"}),
+    ("code2wav", "before_first_chunk"): ("crash_stage", "adapter.load_async", {"req": "V#2"}),
+    ("thinker", "mid_stream"): ("crash_stage", "shm.put.written", {"key": "V_0_2"}),
+    ("talker", "mid_stream"): ("crash_stage", "shm.put.written", {"key": "V_1_1"}),
+    ("code2wav", "mid_stream"): ("crash_stage", "shm.get.consumed", {"key": "V_1_1"}),
+    ("thinker", "terminal_queued"): ("crash_stage", "adapter.save_async", {"req": "V#0", "finished": "True"}),
+    ("talker", "terminal_queued"): ("crash_stage", "adapter.save_async", {"req": "V#1", "finished": "True"}),
+    ("thinker", "during_release"): ("crash_stage", "adapter.release.begin", {"ext": "V", "stage": "0"}),
+    ("talker", "during_release"): ("crash_stage", "adapter.release.begin", {"ext": "V", "stage": "1"}),
+    ("thinker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "0"}),
+    ("talker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "1"}),
+    ("talker", "paused"): ("pause_stage", "shm.put.written", {"key": "V_1_1"}),
+}
+CRASH = Param("crash", tuple(f"{stage}@{phase}" for stage, phase in CRASHES), "which stage dies, and when")
+#: The invariants of a stage death, on top of the defaults.
+ISOLATION = (*DEFAULT_INVARIANTS, "fault-isolation", "death-noticed", "abort-stops-work", "no-residue-after-sweep")
+
+
+def crashed(params: Params) -> tuple[str, str]:
+    stage, _, phase = params.get("crash", CRASH.values[0]).partition("@")
+    return stage, phase
+
+
+def build(store_kind: str, params: Params) -> World:
+    world = World(store_kind)
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    kernel.compute_cost_s = MODEL_STEP_S
+    config = load_pipeline("qwen3_omni")
+    config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, processes=True))
+    engine = build_process_engine(world, config, models())
+    world.components["engine"] = engine
+    world.add_service("engine", engine.run, engine.shutdown)
+    kind, at, match = CRASHES[crashed(params)]
+    world.inject(FaultPlan([Fault(kind, match=match, at=at)]))
+    return world
+
+
+@scenario(
+    "stage_crash",
+    summary="a stage process dies (or stops) at one phase of a request while another runs: only the requests "
+    "bound to it fail, once, naming it; it restarts in a new namespace and serves the reused id; nothing is left",
+    issue="issue 10; upstream fault isolation",
+    build=build,
+    invariants=ISOLATION,
+    horizon_s=60.0,
+    budget_share=0.5,
+    params=(CRASH,),
+)
+async def stage_crash(world: World) -> None:
+    stage, phase = crashed(world.params)
+    victim = Client(world, "V", BOUNDARY, "V")
+    # Stopped half-way through its stream, the Talker cannot finish V: the head must give up on it.
+    victim.outcomes = frozenset(
+        {
+            "during_abort": {"aborted"},
+            "during_release": {"finished"},
+            "paused": {"failed"},
+        }.get(phase, {"finished", "failed"})
+    )
+    # A request on the Thinker alone: only the Thinker's death may take it down.
+    text_only = Client(world, "T", REMAINDER, "T", modalities=("text",))
+    if stage == "thinker":
+        text_only.outcomes = frozenset({"finished", "failed"})
+    again = Client(world, "V.again", SHORT, "V")
+
+    async def victim_then_reuse() -> None:
+        if phase == "during_abort":
+            await together(("V.first", victim.run), ("V.abort", lambda: abort_once_submitted(victim, after_points=40)))
+        else:
+            await victim.run()
+        await again.run()  # the same id once V ended: served by whatever lives now
+
+    await together(("V", victim_then_reuse), ("T", text_only.run))
+    # An operator's sweep after the crash: what is dead is gone already, what lives stays.
+    await world.sweep_dead()
+    engine = engine_of(world)
+    sid = STAGE_IDS[stage]
+    world.probe(
+        "fault-isolation",
+        not world.deaths or engine.stages[sid].health()["restarts"] >= 1,
+        f"{stage} died but was never restarted",
+    )

@@ -1,0 +1,195 @@
+"""Stages as OS processes (issue 10): the same answers as one process gives, a killed stage fails
+only the requests it held and comes back, and nothing is left in /dev/shm afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from runtime.client import ClientOutput, generate
+from runtime.config.pipeline import load_pipeline
+from runtime.connectors.posix_store import PosixStore
+from runtime.orchestrator import SHUT_DOWN, Orchestrator
+from runtime.pipeline import Models, PipelineResult, build_engine, run_request
+from runtime.process_stage import ProcessStage
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = Models.build()
+LONG_TEXT = "streaming audio should start before the whole sentence is done, and go on for a while"
+
+
+def engine_on(store: PosixStore, *, processes: bool) -> Orchestrator:
+    return build_engine(load_pipeline("qwen3_omni"), MODELS, store, processes=processes)
+
+
+def run_alone(text: str, *, processes: bool) -> PipelineResult:
+    store = PosixStore()
+    try:
+        return trio.run(run_request, engine_on(store, processes=processes), store, text)
+    finally:
+        store.sweep()
+
+
+async def answer(engine: Orchestrator, text: str, modalities: tuple[str, ...], rid: str) -> list[ClientOutput]:
+    return [out async for out in generate(engine, text, modalities, request_id=rid)]
+
+
+def test_the_process_engine_gives_the_in_process_audio_and_leaves_nothing() -> None:
+    alone = run_alone("hello world", processes=False)
+    split = run_alone("hello world", processes=True)
+    assert split.error is None and split.residue == {}
+    assert split.audio.numel() > 0
+    assert torch.equal(split.audio, alone.audio)
+    assert split.text == alone.text
+
+
+def test_a_killed_talker_fails_only_its_requests_and_comes_back() -> None:
+    store = PosixStore()
+    engine = engine_on(store, processes=True)
+    talker = engine.stages[1]
+    assert isinstance(talker, ProcessStage)
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            await engine.wait_ready()
+            first_pid = outcome["first_pid"] = talker.pid
+            killed_at: list[float] = []
+
+            async def audio_request() -> None:
+                outputs: list[ClientOutput] = []
+                async for out in generate(engine, LONG_TEXT, ("audio",), request_id="R"):
+                    outputs.append(out)
+                    if not killed_at and out.data is not None:
+                        assert first_pid is not None
+                        os.kill(first_pid, signal.SIGKILL)  # mid-stream: it has sent audio
+                        killed_at.append(time.perf_counter())
+                outcome["failed_after_s"] = time.perf_counter() - killed_at[0]
+                outcome["R"] = outputs
+
+            async def text_request() -> None:
+                outcome["T"] = await answer(engine, LONG_TEXT, ("text",), "T")
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(audio_request)
+                clients.start_soon(text_request)
+            await engine.wait_ready()  # the Talker, restarted
+            outcome["restarted_pid"] = talker.pid
+            outcome["again"] = await answer(engine, "hello world", ("audio",), "R")  # the same id, reused
+            await engine.drain()
+            outcome["residue"] = await engine.residue_now()
+            outcome["shm"] = store.segments() + store.lock_files()
+            engine.shutdown()
+
+    try:
+        trio.run(main)
+    finally:
+        store.sweep()
+    failed = outcome["R"]
+    assert isinstance(failed, list)
+    terminals = [out for out in failed if out.finished]
+    assert len(terminals) == 1 and terminals[0].error is not None
+    assert "stage talker died" in terminals[0].error
+    # Noticed by the closed control socket, not by a missed heartbeat (which would take a second).
+    assert isinstance(outcome["failed_after_s"], float) and outcome["failed_after_s"] < 1.0
+    text_only = outcome["T"]
+    assert isinstance(text_only, list) and [o.error for o in text_only if o.finished] == [None]
+    assert outcome["restarted_pid"] not in (None, outcome["first_pid"])
+    again = outcome["again"]
+    assert isinstance(again, list) and [o.error for o in again if o.finished] == [None]
+    audio = torch.cat([o.data.reshape(-1) for o in again if o.data is not None])
+    assert torch.equal(audio, run_alone("hello world", processes=False).audio)
+    assert talker.restarts == 1
+    assert outcome["residue"] == {} and outcome["shm"] == []
+
+
+def _stage_processes() -> set[int]:
+    found = set()
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"runtime.stage_process" in f.read():
+                    found.add(int(pid))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean() -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    stages_before = _stage_processes()
+    head = subprocess.Popen(
+        [sys.executable, "-m", "omnisim.cli", "soak", "--processes", "--requests", "100000", "--concurrency", "4"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # Restore SIGTERM's and SIGINT's defaults in case this test runs in a background job.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        ends = time.monotonic() + 60
+        while len(_stage_processes() - stages_before) < 3 and time.monotonic() < ends:
+            time.sleep(0.1)
+        assert len(_stage_processes() - stages_before) == 3, "the stages never started"
+        time.sleep(2.0)  # requests in flight
+        head.send_signal(signal.SIGTERM)
+        output, _ = head.communicate(timeout=30)
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.wait()
+    assert head.returncode == 143, output
+    time.sleep(0.2)
+    assert _stage_processes() - stages_before == set()
+    left = sorted(name for name in set(os.listdir("/dev/shm")) - shm_before if name.startswith("omnisim"))
+    assert left == [], output
+
+
+def test_a_short_soak_with_kills_is_clean() -> None:
+    from omnisim.soak import clean, soak
+
+    report = soak(300, 6, processes=True, kill_every=2.5, seed=3)
+    assert report.kills >= 3, report.as_dict()
+    assert clean(report), report.as_dict()
+    assert report.outcomes["finished"] >= 200, report.as_dict()
+    assert sum(report.restarts.values()) >= 3
+    assert max(report.noticed_s) < 1.0, report.noticed_s
+
+
+def test_with_restart_fail_a_dead_stage_takes_the_engine_down() -> None:
+    config = load_pipeline("qwen3_omni")
+    config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, restart="fail"))
+    store = PosixStore()
+    engine = build_engine(config, MODELS, store, processes=True)
+    code2wav = engine.stages[2]
+    assert isinstance(code2wav, ProcessStage)
+    late: list[ClientOutput] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            await engine.wait_ready()
+            assert code2wav.pid is not None
+            os.kill(code2wav.pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                while engine.stages[0].health()["alive"]:  # the others are stopped too
+                    await trio.sleep(0.05)
+            late.extend(await answer(engine, "hello world", ("audio",), "late"))
+
+    try:
+        trio.run(main)
+    finally:
+        store.sweep()
+    assert [(o.finished, o.error) for o in late] == [(True, SHUT_DOWN)]
+    assert code2wav.restarts == 0
+    assert store.segments() == [] and store.lock_files() == []
