@@ -597,11 +597,13 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     def row_lines(r: dict[str, Any]) -> list[str]:
-        verdict = (
-            f"found after {r['schedules']} schedules ({r['seconds']}s) by {', '.join(r['invariants'])}"
-            if r["detected"]
-            else f"NOT found in {r['schedules']} schedules"
-        )
+        if r["detected"]:
+            verdict = f"found after {r['schedules']} schedules ({r['seconds']}s) by {', '.join(r['fired'])}"
+        elif r["invariants"]:
+            # Something failed, but not what the mutant declares: breakage, never a detection.
+            verdict = f"BROKEN: tripped {', '.join(r['invariants'])}, not {' or '.join(r['expect'])}"
+        else:
+            verdict = f"NOT found in {r['schedules']} schedules"
         return [f"{r['mutant']:<34} {r['scenario']:<28} {r['strategy']:<10} {verdict}"]
 
     from omnisim.progress import Progress
@@ -624,26 +626,35 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                         mutant=m.name,
                         on_schedule=on_schedule,
                     )
-                    s = res.summary()
+                    fired = res.invariants()
                     rows.append(
                         {
                             "mutant": m.name,
                             "issue": m.issue,
                             "scenario": scenario,
                             "strategy": strategy,
-                            "detected": bool(s["violations"]),
-                            "schedules": s["first_violation_after"] or s["schedules"],
-                            "seconds": s["seconds"],
-                            "invariants": sorted({v["invariant"] for e in s["violations"] for v in e["violations"]}),
+                            "expect": list(m.expect),
+                            "detected": res.first_violation_after is not None,
+                            # Which declared invariants fired (what the detection rests on) …
+                            "fired": [name for name in fired if name in m.expect],
+                            # … and everything that failed, declared or not.
+                            "invariants": fired,
+                            "schedules": res.first_violation_after or res.schedules,
+                            "seconds": round(res.seconds, 3),
                         }
                     )
                     progress.done(rows[-1])
     undetected = sorted({r["mutant"] for r in rows} - {r["mutant"] for r in rows if r["detected"]})
+    broken = sorted({r["mutant"] for r in rows if r["invariants"]} & set(undetected))
     path = write_mutant_report(rows, args.out)
     _emit(
         args,
-        [f"report: {path}", f"{len(names) - len(undetected)}/{len(names)} mutants detected"],
-        {"rows": rows, "undetected": undetected, "report": path},
+        [
+            f"report: {path}",
+            f"{len(names) - len(undetected)}/{len(names)} mutants detected by an invariant they declare"
+            + (f"; {len(broken)} only broke something else: {', '.join(broken)}" if broken else ""),
+        ],
+        {"rows": rows, "undetected": undetected, "broken": broken, "report": path},
     )
     return EXIT_VIOLATION if undetected else EXIT_OK
 

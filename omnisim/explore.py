@@ -194,6 +194,7 @@ class ExploreResult:
     schedules: int
     seconds: float
     violations: list[dict[str, Any]] = field(default_factory=list)
+    #: The first schedule with a violation that counts (see ``wanted``).
     first_violation_after: int | None = None
     unsatisfied_runs: int = 0
     artifact: str | None = None
@@ -201,6 +202,18 @@ class ExploreResult:
     budget: int = 0
     #: Stopped by Ctrl-C or SIGTERM: the schedule that was running is not counted.
     interrupted: bool = False
+    #: The invariants a violation must include to count as a find, which ends the exploration:
+    #: a mutant's declared ones (anything else it trips is breakage, recorded but not a find).
+    #: None: any violation counts.
+    wanted: tuple[str, ...] | None = None
+
+    def counts(self, violations: list[Violation]) -> bool:
+        """Whether a run with ``violations`` is a find."""
+        return bool(violations) and (self.wanted is None or any(v.invariant in self.wanted for v in violations))
+
+    def invariants(self) -> list[str]:
+        """Every invariant that failed in some schedule, counted or not."""
+        return sorted({v["invariant"] for entry in self.violations for v in entry["violations"]})
 
     @property
     def violation_count(self) -> int:
@@ -217,6 +230,7 @@ class ExploreResult:
             "schedules_per_s": round(self.schedules / self.seconds, 1) if self.seconds else None,
             "violations": self.violations,
             "first_violation_after": self.first_violation_after,
+            "wanted": list(self.wanted) if self.wanted is not None else None,
             "unsatisfied_runs": self.unsatisfied_runs,
             "artifact": self.artifact,
             "interrupted": self.interrupted,
@@ -259,7 +273,7 @@ def explore(
     scn = get_scenario(scenario)
     m = get_mutant(mutant)
     scn.configurations(params)  # an unknown parameter is a usage error before anything runs
-    result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget)
+    result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget, wanted=m.expect if m else None)
     start = time.perf_counter()
     with applied(m), _interruptible(result, start), stop_at_decisions():
         if strategy == "hypothesis":
@@ -332,8 +346,10 @@ def _explore_schedules(
             result.seconds = time.perf_counter() - start
             if res.unsatisfied:
                 result.unsatisfied_runs += 1
-            if res.violations:
+            found = result.counts(res.violations)
+            if found:
                 result.first_violation_after = result.first_violation_after or result.schedules
+            if res.violations:
                 entry: dict[str, Any] = {"seed": run_seed, "violations": [v.as_dict() for v in res.violations]}
                 if out_dir is not None:
                     entry["artifact"] = save_artifact(res, out_dir, plugins)
@@ -341,7 +357,7 @@ def _explore_schedules(
                 result.violations.append(entry)
             if on_schedule is not None:
                 on_schedule(result)
-            if res.violations and stop_on_violation:
+            if found and stop_on_violation:
                 return
 
     trio.run(loop)
@@ -380,10 +396,12 @@ def _explore_with_hypothesis(
         if stop_requested:
             raise KeyboardInterrupt
         result.schedules += 1
-        if res.violations:
+        if result.counts(res.violations):
             result.first_violation_after = result.first_violation_after or result.schedules
             failing.append((res, choices))  # Hypothesis ends on the shrunk example
             raise ScheduleFailed
+        if res.violations:  # breakage, not the bug: recorded, and Hypothesis goes on
+            result.violations.append({"seed": seed, "violations": [v.as_dict() for v in res.violations]})
 
     try:
         schedule_holds()

@@ -174,10 +174,14 @@ def scenario(
 
 
 def mutant(
-    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...], expect: tuple[str, ...] = ()
+    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...], expect: tuple[str, ...]
 ) -> Callable[[Callable[[], Iterator[Patch]]], Callable[[], Iterator[Patch]]]:
     """Register the decorated generator of :class:`Patch` es as mutant ``name``, found by
-    ``scenarios`` when one of the ``expect`` invariants fails."""
+    ``scenarios`` when one of the ``expect`` invariants fails. Any other failure it causes (an
+    exception in the runtime, an invariant it does not declare) is breakage, not a detection."""
+
+    if not expect:
+        raise UsageError(f"mutant {name!r} declares no invariant it must trip (expect=)")
 
     def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
         if name in MUTANTS:

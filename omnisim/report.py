@@ -37,12 +37,15 @@ def write_mutant_report(rows: list[dict[str, Any]], out_dir: str) -> str:
     lines = [
         "# mutant detection",
         "",
-        "| mutant | issue | scenario | strategy | detected | schedules | seconds | invariants |",
-        "|---|---|---|---|---|---:|---:|---|",
+        "A mutant is detected only when an invariant it declares fails; anything else it trips is breakage.",
+        "",
+        "| mutant | issue | scenario | strategy | detected | schedules | seconds | declared | fired |",
+        "|---|---|---|---|---|---:|---:|---|---|",
     ]
     for r in rows:
+        verdict = "yes" if r["detected"] else "BROKEN" if r["invariants"] else "NO"
         lines.append(
-            f"| {r['mutant']} | {r['issue']} | {r['scenario']} | {r['strategy']} | {'yes' if r['detected'] else 'NO'} "
-            f"| {r['schedules']} | {r['seconds']} | {', '.join(r['invariants'])} |"
+            f"| {r['mutant']} | {r['issue']} | {r['scenario']} | {r['strategy']} | {verdict} "
+            f"| {r['schedules']} | {r['seconds']} | {', '.join(r['expect'])} | {', '.join(r['invariants'])} |"
         )
     return _write(out_dir, "mutants", rows, lines)

@@ -183,15 +183,18 @@ class ProcessStage(Supervised):
         self.pid = self._process.pid
         self._heard = k.now()
         self._death = ""
-        ready = await self._receive_ready()
-        if ready is None:
-            return self._death
-        self._heard = k.now()  # loading the model said nothing: silence counts from here
-        self.alive = True
-        self._changed.notify()
-        if ready.get("namespace") != self.namespace:
-            return f"it came up in namespace {ready.get('namespace')!r}, not {self.namespace!r}"
         try:
+            ready = await self._receive_ready()
+            if ready is None:
+                if not self._death:  # the engine stopped while the process was starting
+                    await self._reap(kill=True)
+                    self.sweep(self.namespace)
+                return self._death
+            self._heard = k.now()  # loading the model said nothing: silence counts from here
+            self.alive = True
+            self._changed.notify()
+            if ready.get("namespace") != self.namespace:
+                return f"it came up in namespace {ready.get('namespace')!r}, not {self.namespace!r}"
             async with k.task_group() as tasks:
                 tasks.start_soon(self._send_loop, name=f"{self.spec.name}.send")
                 tasks.start_soon(self._watch, name=f"{self.spec.name}.watch")
@@ -225,10 +228,11 @@ class ProcessStage(Supervised):
 
         async def deadline() -> None:
             ends = k.now() + START_TIMEOUT_S
-            while not ready and not self._death and k.now() < ends:
+            while not ready and not self._death and not self._stopping and k.now() < ends:
                 await self._changed.wait(0.25)
             if not ready and not self._death:
-                self._death = f"it was not ready after {START_TIMEOUT_S:g}s"
+                if not self._stopping:
+                    self._death = f"it was not ready after {START_TIMEOUT_S:g}s"
                 self._kill()
 
         async with k.task_group() as tasks:
@@ -237,7 +241,8 @@ class ProcessStage(Supervised):
                 try:
                     message = await self._channel.receive()
                 except ChannelClosed as e:
-                    self._death = self._death or f"it exited while starting ({e})"
+                    if not self._stopping:
+                        self._death = self._death or f"it exited while starting ({e})"
                     break
                 if message.get("ev") == "ready":
                     ready.append(message)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import socket
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from runtime.config.pipeline import PipelineConfig, load_pipeline
+from runtime.config.topology import StageSpec
 from runtime.connectors.namespaces import ProcTable, owner_state
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
@@ -102,15 +102,12 @@ class StageServer:
 
     async def serve(self) -> None:
         k = current_kernel()
-        await self.channel.send({"ev": "ready", "pid": os.getpid(), "namespace": self.store.namespace})
-        try:
-            async with k.task_group() as tasks:
-                tasks.start_soon(self._run_stage, name="stage")
-                tasks.start_soon(self._send_loop, name="stage.send")
-                tasks.start_soon(self._report_loop, name="stage.report")
-                tasks.start_soon(self._control_loop, name="stage.control")
-        finally:
-            self.store.sweep()
+        await self.channel.send({"ev": "ready", "namespace": self.store.namespace})
+        async with k.task_group() as tasks:
+            tasks.start_soon(self._run_stage, name="stage")
+            tasks.start_soon(self._send_loop, name="stage.send")
+            tasks.start_soon(self._report_loop, name="stage.report")
+            tasks.start_soon(self._control_loop, name="stage.control")
 
     async def _run_stage(self) -> None:
         await self.stage.run(self._output)
@@ -185,11 +182,24 @@ class StageServer:
 
 
 async def serve(spec: dict[str, Any]) -> None:
-    k = current_kernel()
+    """Build the stage ``spec`` describes and serve the head until it says stop or goes away;
+    whatever happens, this process's namespace is swept before it exits."""
     config = pipeline_config(spec["pipeline"], spec["async_chunk"])
     stage_spec = config.stage(spec["stage_id"])
     model = _MODELS[stage_spec.model](device=spec.get("device", "cpu"))
     store = PosixStore(spec["namespace"], claim=True)
+    try:
+        await _serve_on(spec, config, stage_spec, model, store)
+    except ChannelClosed:
+        pass  # the head went away (before this process was ready, say): nobody to work for
+    finally:
+        store.sweep()
+
+
+async def _serve_on(
+    spec: dict[str, Any], config: PipelineConfig, stage_spec: StageSpec, model: torch.nn.Module, store: PosixStore
+) -> None:
+    k = current_kernel()
     upstream = PosixStore(spec["upstream"]) if spec.get("upstream") else None
     processes = ProcTable()
 

@@ -91,6 +91,7 @@ async def config_contract(world: World) -> None:
     summary="async_chunk resolves with 'or': a stage True overrides a global False",
     issue="#7544",
     scenarios=("config_contract",),
+    expect=("config-contract",),
 )
 def resolve_with_or() -> Iterator[Patch]:
     yield Patch(resolve, "resolve_stage_async_chunk", lambda pipeline, stage: bool(pipeline or stage))
@@ -101,6 +102,7 @@ def resolve_with_or() -> Iterator[Patch]:
     summary="a stage's async_chunk: false is ignored: the aligner inherits True",
     issue="#7544",
     scenarios=("config_contract",),
+    expect=("config-contract",),
 )
 def aligner_opt_out_ignored() -> Iterator[Patch]:
     yield Patch(resolve, "resolve_stage_async_chunk", lambda pipeline, stage: bool(pipeline))
@@ -111,6 +113,7 @@ def aligner_opt_out_ignored() -> Iterator[Patch]:
     summary="the engine's async_chunk mirrors stage 0 instead of any stage",
     issue="#7544",
     scenarios=("config_contract",),
+    expect=("config-contract",),
 )
 def engine_mirrors_stage0() -> Iterator[Patch]:
     yield Patch(resolve, "any_stage_async", lambda resolved: next(iter(resolved), False))
@@ -121,6 +124,7 @@ def engine_mirrors_stage0() -> Iterator[Patch]:
     summary="the start-up edge validator is gone: incompatible edges are accepted",
     issue="#7544",
     scenarios=("config_contract",),
+    expect=("config-contract",),
 )
 def edge_validator_removed() -> Iterator[Patch]:
     yield Patch(resolve, "validate", lambda topology, deploy: None)

@@ -22,6 +22,7 @@ GIVE_UP = ("abort_with_terminal_queued", "terminal_success_vs_failure", "pipelin
     summary="a parked request's _waiting_since is never set: a dead producer hangs its consumer forever",
     issue="#4855 R1.1 (#3833)",
     scenarios=DEADLINE,
+    expect=("liveness",),
 )
 def deadline_never_armed() -> Iterator[Patch]:
     yield Patch(Scheduler, "_start_waiting", lambda self, request_id: None)
@@ -32,6 +33,7 @@ def deadline_never_armed() -> Iterator[Patch]:
     summary="the stall clock is not reset by an arrival: a long healthy stream times out",
     issue="#4855 R1.1",
     scenarios=DEADLINE,
+    expect=("terminal-delivered",),
 )
 def deadline_from_first_park() -> Iterator[Patch]:
     yield Patch(Scheduler, "_input_arrived", lambda self, request_id: None)
@@ -42,6 +44,7 @@ def deadline_from_first_park() -> Iterator[Patch]:
     summary="an input-wait timeout of 0 expires every parked request at once instead of disabling the check",
     issue="#4855 R1.1, R1.4",
     scenarios=DEADLINE,
+    expect=("terminal-delivered",),
 )
 def deadline_zero_is_immediate() -> Iterator[Patch]:
     def timed_out(self: Scheduler) -> list[str]:
@@ -56,6 +59,7 @@ def deadline_zero_is_immediate() -> Iterator[Patch]:
     summary="a give-up is recorded under the external id: the scheduler cannot find the request it names",
     issue="#4855 R1.2",
     scenarios=GIVE_UP,
+    expect=("liveness",),
 )
 def send_failure_under_external_id() -> Iterator[Patch]:
     def put_failed(self: Adapter, task: SaveTask, key: str) -> None:
@@ -73,6 +77,7 @@ def send_failure_under_external_id() -> Iterator[Patch]:
     summary="put returning False is only logged: the consumer waits for a chunk that will never come",
     issue="#4855 R1.2",
     scenarios=("abort_with_terminal_queued", "pipeline_send_failure"),
+    expect=("liveness",),
 )
 def put_failure_not_recorded() -> Iterator[Patch]:
     yield Patch(Adapter, "_put_failed", lambda self, task, key, cause: None)
@@ -84,6 +89,7 @@ def put_failure_not_recorded() -> Iterator[Patch]:
     "the receiver takes a gapped stream for a whole one (found by PCT on pipeline_send_failure)",
     issue="#4855 R1.2, omnisim issue 7",
     scenarios=("pipeline_send_failure",),
+    expect=("samples-exactly-once", "terminal-delivered"),
 )
 def send_after_failed_put() -> Iterator[Patch]:
     def may_send(token: SenderGeneration, is_terminal: bool) -> bool:
@@ -97,6 +103,7 @@ def send_after_failed_put() -> Iterator[Patch]:
     summary="a send that raises is popped and forgotten: its request is never failed",
     issue="#4855 R1.2",
     scenarios=("terminal_success_vs_failure",),
+    expect=("liveness",),
 )
 def send_exception_not_recorded() -> Iterator[Patch]:
     yield Patch(Adapter, "_send_raised", lambda self, task, error: None)
@@ -107,6 +114,7 @@ def send_exception_not_recorded() -> Iterator[Patch]:
     summary="requests freed in the middle of a step (the deadline) are re-queued and polled again",
     issue="#3736",
     scenarios=DEADLINE,
+    expect=("no-tombstones",),
 )
 def no_untracked_purge() -> Iterator[Patch]:
     def is_tracked(self: Scheduler, request: Request) -> bool:

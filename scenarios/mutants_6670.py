@@ -15,6 +15,7 @@ from runtime.transfer.adapter import SenderGeneration
     summary="cleanup pops the generation while its terminal is queued: the terminal is discarded as stale",
     issue="#6670 (a)",
     scenarios=("abort_with_terminal_queued",),
+    expect=("liveness",),
 )
 def no_terminal_fence() -> Iterator[Patch]:
     yield Patch(Adapter, "_fence_defers_cleanup", staticmethod(lambda token: False))
@@ -26,6 +27,7 @@ def no_terminal_fence() -> Iterator[Patch]:
     "terminal leaks the sender generation and its id stays 'draining' forever",
     issue="#6670 (a)",
     scenarios=("abort_with_terminal_queued",),
+    expect=("no-tombstones",),
 )
 def deferred_cleanup_only_on_success() -> Iterator[Patch]:
     original = vars(Adapter)["_release_terminal_fence"]
@@ -42,6 +44,7 @@ def deferred_cleanup_only_on_success() -> Iterator[Patch]:
     summary="a cancelled generation's terminal is vetoed like any chunk: downstream never learns the stream ended",
     issue="#6670 (a)",
     scenarios=("abort_with_terminal_queued",),
+    expect=("liveness",),
 )
 def cancel_vetoes_terminal() -> Iterator[Patch]:
     yield Patch(Adapter, "_may_send", staticmethod(lambda token, is_terminal: not token.cancelled))
@@ -52,6 +55,7 @@ def cancel_vetoes_terminal() -> Iterator[Patch]:
     summary="has_active_sender looks at put_req_chunk: chunks queued but not sent do not count, no terminal is sent",
     issue="#6670 (b)",
     scenarios=("parked_sender_terminal",),
+    expect=("liveness",),
 )
 def ownership_by_put_req_chunk() -> Iterator[Patch]:
     yield Patch(Adapter, "has_active_sender", lambda self, ext: ext in self.put_req_chunk)
@@ -62,6 +66,7 @@ def ownership_by_put_req_chunk() -> Iterator[Patch]:
     summary="the parked session is finished before its forced terminal is queued",
     issue="#6670 (b)",
     scenarios=("parked_sender_terminal",),
+    expect=("terminal-delivered", "liveness"),
 )
 def finish_before_force_terminal() -> Iterator[Patch]:
     async def finish_parked_streaming_session(self: Adapter, request: Request) -> None:

@@ -22,6 +22,7 @@ _original = {name: vars(Adapter)[name] for name in vars(Adapter)}
     summary="record the key range only after a successful put: the raced or raised key escapes the reclaim",
     issue="#8082 (a)",
     scenarios=("abort_during_put", "terminal_success_vs_failure"),
+    expect=("no-tombstones",),
 )
 def num_puts_after_success() -> Iterator[Patch]:
     async def _put_chunk(self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any) -> bool:
@@ -38,6 +39,7 @@ def num_puts_after_success() -> Iterator[Patch]:
     summary="the abort waits for the in-flight put to finish before it returns",
     issue="#8082 (a)",
     scenarios=("abort_during_put",),
+    expect=("abort-non-blocking",),
 )
 def cleanup_waits_for_io() -> Iterator[Patch]:
     original = _original["cleanup_sender"]
@@ -57,12 +59,13 @@ def cleanup_waits_for_io() -> Iterator[Patch]:
     summary="the abort reclaims the keys itself on the caller's task instead of queueing the reclaim",
     issue="#8082 (a)",
     scenarios=("id_reuse_after_cancel", "abort_during_put"),
+    expect=("abort-non-blocking",),
 )
 def cleanup_on_scheduler_thread() -> Iterator[Patch]:
     def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
         if token.num_puts and not token.terminal_sent:
             self.__dict__.setdefault("_direct_cleanups", []).append(
-                CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
+                CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial)
             )
 
     async def run_direct(self: Adapter) -> None:
@@ -90,11 +93,12 @@ def cleanup_on_scheduler_thread() -> Iterator[Patch]:
     summary="the reclaim runs on its own task instead of the save FIFO, so it can overtake a reusing generation",
     issue="#8082 (b)",
     scenarios=("id_reuse_after_cancel",),
+    expect=("exact-key-ownership", "liveness"),
 )
 def cleanup_on_separate_queue() -> Iterator[Patch]:
     def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
         if token.num_puts and not token.terminal_sent and self._tasks is not None:
-            task = CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial)
+            task = CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial)
 
             async def reclaim() -> None:
                 await current_kernel().point("mutant.window", ext=ext)
@@ -110,6 +114,7 @@ def cleanup_on_separate_queue() -> Iterator[Patch]:
     summary="the token is popped before the reclaim is queued: new work for the id jumps ahead of it",
     issue="#8082 (b)",
     scenarios=("id_reuse_after_cancel",),
+    expect=("exact-key-ownership", "liveness"),
 )
 def pop_token_before_enqueue() -> Iterator[Patch]:
     def _retire_generation_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
@@ -120,7 +125,7 @@ def pop_token_before_enqueue() -> Iterator[Patch]:
 
         async def enqueue_later() -> None:
             await current_kernel().point("mutant.window", ext=ext)
-            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
+            self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
         self._tasks.start_soon(enqueue_later, name=f"{self.name}.enqueue")
@@ -133,6 +138,7 @@ def pop_token_before_enqueue() -> Iterator[Patch]:
     summary="save_async accepts work for an id whose previous generation is still draining (generations mix)",
     issue="#8082 (b)",
     scenarios=("id_reuse_after_cancel",),
+    expect=("exact-key-ownership", "terminal-delivered"),
 )
 def accept_while_draining() -> Iterator[Patch]:
     yield Patch(Adapter, "_rejects_while_draining", staticmethod(lambda token: False))
@@ -143,6 +149,7 @@ def accept_while_draining() -> Iterator[Patch]:
     summary="retiring a generation leaves put_req_chunk behind: a reusing generation continues from the old chunk id",
     issue="#8082 (b)",
     scenarios=("id_reuse_after_cancel",),
+    expect=("no-tombstones",),
 )
 def sender_state_not_cleared() -> Iterator[Patch]:
     def _clear_sender_state_locked(self: Adapter, ext: str) -> None:
@@ -158,6 +165,7 @@ def sender_state_not_cleared() -> Iterator[Patch]:
     summary="the reclaim deletes every tracked key starting with the request id: siblings like task_1_2 lose chunks",
     issue="#8082 (c)",
     scenarios=("similar_ids",),
+    expect=("exact-key-ownership",),
 )
 def prefix_cleanup() -> Iterator[Patch]:
     async def _run_cleanup_task(self: Adapter, task: CleanupTask) -> None:
@@ -177,11 +185,12 @@ def prefix_cleanup() -> Iterator[Patch]:
     summary="the reclaim deletes all num_puts keys even after the terminal was sent: downstream loses it",
     issue="#8082 (d)",
     scenarios=("terminal_success_vs_failure", "abort_with_terminal_queued"),
+    expect=("liveness",),
 )
 def delete_sent_terminal() -> Iterator[Patch]:
     def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
         if token.num_puts:
-            self._pending_save_reqs.append(CleanupTask(f"{ext}_{self.stage_id}", token.num_puts, token.serial))
+            self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
     yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
@@ -192,6 +201,7 @@ def delete_sent_terminal() -> Iterator[Patch]:
     summary="a generation whose terminal was attempted is treated as delivered: a failed terminal is never reclaimed",
     issue="#8082 (d)",
     scenarios=("terminal_success_vs_failure",),
+    expect=("no-orphan-shm", "no-orphan-lock"),
 )
 def skip_cleanup_for_terminal() -> Iterator[Patch]:
     original = _original["_put_chunk"]
@@ -209,6 +219,7 @@ def skip_cleanup_for_terminal() -> Iterator[Patch]:
     summary="the receiver does not re-check its registration after get: a cleaned-up request gets its chunk",
     issue="#8082 (e)",
     scenarios=("stale_receiver_entry",),
+    expect=("no-stale-commit",),
 )
 def no_post_get_identity_check() -> Iterator[Patch]:
     def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
@@ -222,6 +233,7 @@ def no_post_get_identity_check() -> Iterator[Patch]:
     summary="the receive loop publishes request_ids_mapping outside the lock, after the poll: cleanup is undone",
     issue="#8082 (e)",
     scenarios=("stale_receiver_entry",),
+    expect=("no-tombstones",),
 )
 def mapping_outside_lock() -> Iterator[Patch]:
     original = _original["_poll_single_request"]
@@ -239,6 +251,7 @@ def mapping_outside_lock() -> Iterator[Patch]:
     summary="the receiver checks 'id in registered' instead of identity: an old get commits into a re-registration",
     issue="#8082 (e)",
     scenarios=("stale_receiver_entry",),
+    expect=("no-stale-commit",),
 )
 def membership_not_identity() -> Iterator[Patch]:
     def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
@@ -252,6 +265,7 @@ def membership_not_identity() -> Iterator[Patch]:
     summary="receiver cleanup records the id in a _cancelled_load_reqs set that grows with every cleanup",
     issue="#8082 (f)",
     scenarios=("repeated_receiver_cleanups",),
+    expect=("no-tombstones",),
 )
 def cancelled_tombstones() -> Iterator[Patch]:
     original = _original["cleanup_receiver"]
@@ -268,6 +282,7 @@ def cancelled_tombstones() -> Iterator[Patch]:
     summary="reap_consumed runs only inside put: after the last send the consumed keys stay tracked forever",
     issue="#8082 (g)",
     scenarios=("idle_reap",),
+    expect=("no-tombstones",),
 )
 def no_idle_reap() -> Iterator[Patch]:
     yield Patch(Adapter, "_reap_after_pass", lambda self: None)
@@ -278,6 +293,7 @@ def no_idle_reap() -> Iterator[Patch]:
     summary="the reap scans the first 64 keys without rotating: unread keys at the head starve the rest",
     issue="#8082 (h)",
     scenarios=("unread_head_rotation",),
+    expect=("no-tombstones",),
 )
 def reap_no_rotate() -> Iterator[Patch]:
     def reap_consumed(self: ShmConnector, *, max_keys: int = 64) -> None:
@@ -293,6 +309,7 @@ def reap_no_rotate() -> Iterator[Patch]:
     summary="the reader removes the lock file only when the payload decoded: a bad payload leaks it",
     issue="#8082 (i)",
     scenarios=("deserialize_failure",),
+    expect=("no-orphan-lock",),
 )
 def lock_removed_only_if_decoded() -> Iterator[Patch]:
     async def _consume(self: ShmConnector, key: str, segment: Segment, lock: LockFile) -> tuple[Any, int, Any]:
@@ -326,6 +343,7 @@ def lock_removed_only_if_decoded() -> Iterator[Patch]:
     "its registration eats the chunk a reused id's new generation wrote (a hang)",
     issue="#8082 (b), omnisim issue 7",
     scenarios=("id_reuse_after_cancel",),
+    expect=("no-stale-consume", "liveness"),
 )
 def consume_without_claim() -> Iterator[Patch]:
     original = vars(ShmConnector)["get"]

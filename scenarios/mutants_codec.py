@@ -19,6 +19,7 @@ from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
     summary="the processor's flush flag is only is_segment_finished: a terminal drops the buffered remainder",
     issue="#5413",
     scenarios=("codec_chunk_boundaries", "pipeline_requests"),
+    expect=("samples-exactly-once",),
 )
 def flush_on_segment_only() -> Iterator[Patch]:
     yield Patch(Adapter, "_flush_signal", staticmethod(lambda task: task.is_segment_finished))
@@ -29,6 +30,7 @@ def flush_on_segment_only() -> Iterator[Patch]:
     summary="frames go on the wire frame-major: the length is valid, the codes are scrambled",
     issue="codebook-major layout (spec §4.1 step 7)",
     scenarios=("codec_chunk_boundaries", "pipeline_requests"),
+    expect=("samples-exactly-once",),
 )
 def no_codebook_major_transpose() -> Iterator[Patch]:
     def codebook_major(frames: list[torch.Tensor]) -> torch.Tensor:
@@ -42,6 +44,7 @@ def no_codebook_major_transpose() -> Iterator[Patch]:
     summary="the streaming Code2Wav slice is [left·1920 : n·1920]: every chunk boundary loses the 555-sample tail",
     issue="#4706",
     scenarios=("code2wav_stream", "pipeline_requests"),
+    expect=("samples-exactly-once",),
 )
 def stream_slice_ignores_tail() -> Iterator[Patch]:
     def stream_slice(left_frames: int, n_frames: int, tail: int) -> tuple[int, int]:
@@ -55,6 +58,7 @@ def stream_slice_ignores_tail() -> Iterator[Patch]:
     summary="streaming word-timestamp requests stay DELTA: the aligner gets only the last delta",
     issue="#7544",
     scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
+    expect=("samples-exactly-once", "aligner-complete"),
 )
 def no_cumulative_for_timestamps() -> Iterator[Patch]:
     def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
@@ -68,6 +72,7 @@ def no_cumulative_for_timestamps() -> Iterator[Patch]:
     summary="CUMULATIVE is set on the shared default parameters: later plain requests turn CUMULATIVE, untrimmed",
     issue="#7544",
     scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
+    expect=("samples-exactly-once",),
 )
 def cumulative_without_clone() -> Iterator[Patch]:
     def request_params(defaults: list[SamplingParams], *, stream: bool, word_timestamps: bool) -> list[SamplingParams]:
@@ -84,6 +89,7 @@ def cumulative_without_clone() -> Iterator[Patch]:
     summary="the client gets every cumulative update whole: samples arrive again and again (800 + 2000 + 2400)",
     issue="#7544",
     scenarios=("streaming_word_timestamps", "pipeline_word_timestamps"),
+    expect=("samples-exactly-once",),
 )
 def no_emitted_samples_trim() -> Iterator[Patch]:
     yield Patch(EmittedSamplesTrim, "__call__", lambda self, cumulative: cumulative)

@@ -19,6 +19,7 @@ from runtime.serving import EmittedSamplesTrim
     summary="the synthetic abort terminal says stage 0 / text: an audio client drops it and ends with no output",
     issue="#7006",
     scenarios=("pipeline_abort_before_output",),
+    expect=("terminal-delivered",),
 )
 def abort_terminal_from_stage0() -> Iterator[Patch]:
     def terminal(self: Orchestrator, state: RequestState, error: str) -> EngineOutput:
@@ -34,6 +35,7 @@ def abort_terminal_from_stage0() -> Iterator[Patch]:
     summary="a terminal stop is also flagged is_segment_finished: an empty terminal becomes a one-token prompt",
     issue="#5383",
     scenarios=("pipeline_requests",),
+    expect=("samples-exactly-once",),
 )
 def terminal_stop_is_segment_boundary() -> Iterator[Patch]:
     yield Patch(ARScheduler, "_is_segment_boundary", staticmethod(lambda finished: True))
@@ -44,6 +46,7 @@ def terminal_stop_is_segment_boundary() -> Iterator[Patch]:
     summary="the HTTP speech endpoint accepts stream=true with word_timestamps instead of pointing to the WebSocket",
     issue="#7544",
     scenarios=("streaming_word_timestamps",),
+    expect=("aligner-complete",),
 )
 def http_streaming_timestamps_accepted() -> Iterator[Patch]:
     def check(*, stream: bool, word_timestamps: bool, has_aligner: bool) -> None:
@@ -58,6 +61,7 @@ def http_streaming_timestamps_accepted() -> Iterator[Patch]:
     summary="a cumulative update with no new samples still reaches the client, as an empty audio chunk",
     issue="#7544",
     scenarios=("pipeline_word_timestamps",),
+    expect=("samples-exactly-once",),
 )
 def empty_tail_not_skipped() -> Iterator[Patch]:
     def trim(self: EmittedSamplesTrim, cumulative: torch.Tensor) -> torch.Tensor | None:
@@ -74,6 +78,7 @@ def empty_tail_not_skipped() -> Iterator[Patch]:
     "the client loses (or repeats) audio by the resampling ratio",
     issue="#7544",
     scenarios=("pipeline_word_timestamps",),
+    expect=("samples-exactly-once",),
 )
 def trim_after_resampling() -> Iterator[Patch]:
     def client_audio(

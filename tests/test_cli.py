@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from omnisim import cli, registry
+from omnisim.base import UsageError
 from scenarios import RACE_TABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -307,7 +308,7 @@ PLUGIN = textwrap.dedent(
 
 
     @mutant(MUTANT, summary="a plugin's own mutant: receiver cleanup forgets nothing", issue="plugin",
-            scenarios=(SCENARIO,))
+            scenarios=(SCENARIO,), expect=("no-tombstones",))
     def forgetful_receiver():
         async def cleanup_receiver(self, request_id):
             return None
@@ -427,6 +428,44 @@ def test_mutants_table_by_chosen_strategies(capsys: pytest.CaptureFixture[str], 
     assert code == 0, err
     rows = last_json(out)["rows"]
     assert [r["strategy"] for r in rows] == ["pct", "random"] and all(r["detected"] for r in rows)
+
+
+def test_a_mutant_that_only_breaks_the_runtime_is_not_a_detection(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11: a typo in a mutant (an AttributeError in the runtime) trips ``no-crash`` and
+    leaves tombstones — but it is not the bug the mutant declares, so it is reported as broken."""
+    from omnisim.registry import Patch, mutant
+    from runtime.transfer.adapter import ChunkTransferAdapter
+
+    registry.load()
+    monkeypatch.setattr(registry, "MUTANTS", dict(registry.MUTANTS))
+
+    @mutant(
+        "clitest_typo", summary="a typo", issue="test", scenarios=("abort_during_put",), expect=("no-stale-commit",)
+    )
+    def typo() -> Iterator[Patch]:
+        async def cleanup_receiver(self: ChunkTransferAdapter, request_id: str) -> None:
+            self.no_such_attribute.clear()
+
+        yield Patch(ChunkTransferAdapter, "cleanup_receiver", cleanup_receiver)
+
+    args = ["mutants", "--mutant", "clitest_typo", "--strategy", "random", "--budget", "20", "--out", str(tmp_path)]
+    code, out, err = omnisim(capsys, *args, "--json")
+    assert code == 1, err
+    payload = last_json(out)
+    (row,) = payload["rows"]
+    assert not row["detected"] and "no-crash" in row["invariants"] and row["fired"] == []
+    assert payload["broken"] == ["clitest_typo"]
+    code, out, err = omnisim(capsys, *args)
+    assert "BROKEN: tripped" in out and "not no-stale-commit" in out
+
+
+def test_a_mutant_must_declare_what_it_trips() -> None:
+    from omnisim.registry import mutant
+
+    with pytest.raises(UsageError, match="declares no invariant"):
+        mutant("clitest_undeclared", summary="s", issue="i", scenarios=("abort_during_put",), expect=())
 
 
 # -- exit codes a script can trust: replay ------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 
@@ -124,7 +125,8 @@ def _stage_processes() -> set[int]:
     return found
 
 
-def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean() -> None:
+@pytest.mark.parametrize("settle_s", [0.0, 2.0], ids=["while-starting", "while-serving"])
+def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean(settle_s: float) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     stages_before = _stage_processes()
     head = subprocess.Popen(
@@ -141,7 +143,7 @@ def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean() -> None
         while len(_stage_processes() - stages_before) < 3 and time.monotonic() < ends:
             time.sleep(0.1)
         assert len(_stage_processes() - stages_before) == 3, "the stages never started"
-        time.sleep(2.0)  # requests in flight
+        time.sleep(settle_s)  # 0: the stages are still loading their models; 2: requests are in flight
         head.send_signal(signal.SIGTERM)
         output, _ = head.communicate(timeout=30)
     finally:
