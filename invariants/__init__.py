@@ -41,10 +41,14 @@ def invariant(id: str, statement: str) -> Callable[[Checker], Checker]:
 
 
 def check(world: ObservedWorld, ids: Iterable[str]) -> list[Violation]:
-    """Run the named checkers, plus what the scenario's own probes found; in a stable order."""
+    """Run the named checkers, plus what the scenario's own probes found (``probe.failed``
+    events); in a stable order."""
     out: list[Violation] = []
     for id in ids:
-        messages = INVARIANTS[id].check(world) + world.probe_failures.get(id, [])
+        probed = [
+            str(e.attrs["message"]) for e in world.trace if e.name == "probe.failed" and e.attrs["invariant"] == id
+        ]
+        messages = INVARIANTS[id].check(world) + probed
         out.extend(Violation(id, message) for message in messages)
     return out
 

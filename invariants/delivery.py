@@ -107,12 +107,32 @@ def samples_exactly_once(world: ObservedWorld) -> list[str]:
     "async-chunk resolution, edge validation and prewarm follow spec §1 (checked by the config scenario)",
 )
 def config_contract(world: ObservedWorld) -> list[str]:
-    # The evidence is the configuration, not the run: the scenario that loads the configs
-    # reports through its probes, which check() adds to every invariant's findings.
-    return []
+    # The evidence is the configuration, not a schedule: what resolving, validating and planning
+    # a config gave, next to what spec §1 says it must give (``config.fact``).
+    return [
+        f"{e.attrs['fact']}: got {e.attrs['got']}, spec §1 says {e.attrs['want']}"
+        for e in world.trace
+        if e.name == "config.fact" and e.attrs["got"] != e.attrs["want"]
+    ]
+
+
+#: How far (ms) the last word may end from the end of the audio.
+ALIGN_TOLERANCE_MS = 1
 
 
 @invariant("aligner-complete", "the aligner sees the complete waveform; timestamps cover the whole audio")
 def aligner_complete(world: ObservedWorld) -> list[str]:
-    # Alignment happens inside the scenario that serves the request; it reports through probes.
-    return []
+    out = []
+    for e in world.trace:
+        if e.name == "serving.timestamps_over_http" and e.attrs["accepted"]:
+            out.append("HTTP streaming with word timestamps was accepted (it must be refused: use the WebSocket)")
+        elif e.name == "client.timestamps":
+            end, audio = e.attrs["end_ms"], e.attrs["audio_ms"]
+            if not isinstance(end, int | float) or not isinstance(audio, int | float):
+                out.append(f"{e.attrs['req']}: no timestamps for {audio} ms of audio")
+            elif abs(end - audio) > ALIGN_TOLERANCE_MS:
+                out.append(
+                    f"{e.attrs['req']}: the timestamps end at {end:.0f} ms but the audio lasts {audio:.0f} ms: "
+                    "the aligner did not see the whole waveform"
+                )
+    return out

@@ -116,7 +116,5 @@ class ObservedWorld:
     stop_detail: str = ""
     stopped_tasks: list[TaskState] = field(default_factory=list)
     crashes: list[tuple[str, str]] = field(default_factory=list)
-    #: Violations a scenario's own probes saw during the run, by invariant id.
-    probe_failures: dict[str, list[str]] = field(default_factory=dict)
     #: Virtual time when the run ended (or was stopped).
     end_time_us: int = 0

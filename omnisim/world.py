@@ -97,7 +97,6 @@ class World:
         self.snapshots: list[Snapshot] = []
         #: The scenario's request objects, for the orchestrator-side helpers.
         self.requests: list[Any] = []
-        self.probe_failures: dict[str, list[str]] = {}
         #: Further components whose residue() the snapshots include (e.g. a scheduler).
         self.components: dict[str, Any] = {}
         #: What runs for the whole run, by name: ``(run, shutdown, process)`` (every stage's loops).
@@ -112,9 +111,10 @@ class World:
         self.stalled = False
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
-        """Record a violation of ``invariant`` seen by the scenario itself during the run."""
+        """Record a violation of ``invariant`` seen by the scenario itself (a client comparing
+        its audio with the offline decode, say), as a ``probe.failed`` event of the trace."""
         if not ok:
-            self.probe_failures.setdefault(invariant, []).append(message)
+            current_kernel().note("probe.failed", invariant=invariant, message=message)
 
     # -- stages and processes --------------------------------------------------------------------
 
@@ -336,7 +336,6 @@ class World:
             stop_detail=outcome.detail,
             stopped_tasks=outcome.stopped_tasks,
             crashes=outcome.crashes,
-            probe_failures=self.probe_failures,
             end_time_us=round(outcome.virtual_time_s * 1e6),
         )
 

@@ -14,6 +14,7 @@ from omnisim.world import World
 from runtime.config import resolve
 from runtime.config.fields import ConfigError
 from runtime.config.pipeline import build_pipeline, load_pipeline
+from runtime.kernel import current_kernel
 
 #: (pipeline-wide, stage) -> resolved async_chunk (spec §1.2).
 RESOLUTION_TABLE = {
@@ -53,18 +54,21 @@ def no_world(store_kind: str) -> World:
     invariants=("config-contract", "no-crash"),
 )
 async def config_contract(world: World) -> None:
-    def expect(ok: bool, message: str) -> None:
-        world.probe("config-contract", ok, message)
+    def fact(what: str, got: object, want: object) -> None:
+        current_kernel().note("config.fact", fact=what, got=str(got), want=str(want))
 
     for (pipeline, stage), want in RESOLUTION_TABLE.items():
-        got = resolve.resolve_stage_async_chunk(pipeline, stage)
-        expect(got == want, f"pipeline {pipeline} with stage {stage} resolves {got}, expected {want}")
+        fact(
+            f"async_chunk of pipeline {pipeline} with stage {stage}",
+            resolve.resolve_stage_async_chunk(pipeline, stage),
+            want,
+        )
 
     tts = load_pipeline("qwen3_tts_aligner")
     aligner = tts.stages[-1].stage_id
-    expect(not tts.resolved_async_chunk(aligner), "the aligner's async_chunk: false is ignored")
-    expect(aligner not in tts.prewarm_stages(), "the aligner is prewarmed: a word-timestamp request would hang")
-    expect(tts.delivery((aligner - 1, aligner)) == "forward", "the aligner does not receive the full payload")
+    fact("the aligner's async_chunk (false in its deploy)", tts.resolved_async_chunk(aligner), False)
+    fact("the aligner prewarmed (a word-timestamp request would hang)", aligner in tts.prewarm_stages(), False)
+    fact("delivery to the aligner", tts.delivery((aligner - 1, aligner)), "forward")
 
     raw = omni_raw()
     del raw["pipeline"]["stages"][0]["async_chunk_processor"]
@@ -72,8 +76,8 @@ async def config_contract(world: World) -> None:
     set_stage(raw, 0, async_chunk=False)
     set_stage(raw, 1, connector_role="sender")
     mixed = build_pipeline(raw)
-    expect(mixed.any_stage_async(), "with [False, True, True] the engine's async flag mirrors stage 0")
-    expect(mixed.delivery((1, 2)) == "chunks", "with [False, True, True] Talker -> Code2Wav stops chunking")
+    fact("the engine's async flag with stages [False, True, True]", mixed.any_stage_async(), True)
+    fact("Talker -> Code2Wav delivery with stages [False, True, True]", mixed.delivery((1, 2)), "chunks")
 
     raw = omni_raw()
     raw["deploy"]["async_chunk"] = True
@@ -81,9 +85,10 @@ async def config_contract(world: World) -> None:
         set_stage(raw, stage_id, async_chunk=value)
     try:
         build_pipeline(raw)
-        expect(False, "Talker(False) -> Code2Wav(True) was accepted at start-up; it hangs at run time")
+        verdict = "accepted"
     except ConfigError:
-        pass
+        verdict = "refused"
+    fact("Talker(False) -> Code2Wav(True) at start-up (accepted, it hangs at run time)", verdict, "refused")
 
 
 @mutant(

@@ -1,0 +1,84 @@
+"""Every checker can fail: on a hand-made world, and in a real run of a mutant that declares it.
+
+A checker that cannot fail proves nothing; these tests are what keeps one from slipping in."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from invariants import INVARIANTS, Violation, check
+from invariants.observed import ObservedWorld, TraceEvent
+from omnisim import registry
+from omnisim.explore import explore
+
+registry.load()
+logging.getLogger("runtime").setLevel(logging.CRITICAL)
+
+#: Invariants no mutant may declare: an exception in the runtime is what a broken mutant causes.
+UNDECLARABLE = {"no-crash"}
+
+
+def world_of(*events: tuple[str, dict[str, object]], crashes: tuple[tuple[str, str], ...] = ()) -> ObservedWorld:
+    trace = [TraceEvent(i, 0, "main", name, attrs) for i, (name, attrs) in enumerate(events)]  # type: ignore[arg-type]
+    return ObservedWorld(trace=trace, snapshots=[], streams={}, crashes=list(crashes))
+
+
+def test_config_contract_compares_each_fact_with_the_spec() -> None:
+    held = world_of(("config.fact", {"fact": "async_chunk of (True, False)", "got": "False", "want": "False"}))
+    assert INVARIANTS["config-contract"].check(held) == []
+    broken = world_of(("config.fact", {"fact": "async_chunk of (True, False)", "got": "True", "want": "False"}))
+    assert INVARIANTS["config-contract"].check(broken) == ["async_chunk of (True, False): got True, spec §1 says False"]
+
+
+def test_aligner_complete_needs_the_whole_waveform_and_refuses_http_streaming() -> None:
+    held = world_of(
+        ("serving.timestamps_over_http", {"accepted": False}),
+        ("client.timestamps", {"req": "A", "end_ms": 1999.5, "audio_ms": 2000.0}),
+    )
+    assert INVARIANTS["aligner-complete"].check(held) == []
+    broken = world_of(
+        ("serving.timestamps_over_http", {"accepted": True}),
+        ("client.timestamps", {"req": "A", "end_ms": 320.0, "audio_ms": 2000.0}),
+        ("client.timestamps", {"req": "B", "end_ms": None, "audio_ms": 2000.0}),
+    )
+    found = INVARIANTS["aligner-complete"].check(broken)
+    assert len(found) == 3
+    assert "accepted" in found[0] and "320 ms" in found[1] and "B: no timestamps" in found[2]
+
+
+def test_no_crash_names_the_task_and_the_exception() -> None:
+    assert INVARIANTS["no-crash"].check(world_of()) == []
+    crashed = world_of(crashes=(("stage1.save", "Traceback (most recent call last):\nKeyError: 'R_1_0'"),))
+    (message,) = INVARIANTS["no-crash"].check(crashed)
+    assert "stage1.save" in message and "KeyError" in message
+
+
+def test_a_probe_finding_counts_for_its_own_invariant_only() -> None:
+    world = world_of(("probe.failed", {"invariant": "samples-exactly-once", "message": "A: 10 samples, want 12"}))
+    assert check(world, ["samples-exactly-once", "no-crash"]) == [
+        Violation("samples-exactly-once", "A: 10 samples, want 12")
+    ]
+
+
+@pytest.mark.parametrize("invariant", sorted(set(INVARIANTS) - UNDECLARABLE))
+def test_some_mutant_makes_the_checker_fail_in_a_real_run(invariant: str) -> None:
+    declaring = sorted(name for name, m in registry.MUTANTS.items() if invariant in m.expect)
+    assert declaring, f"no mutant declares {invariant}: nothing shows that it can fail"
+    tried = []
+    # A mutant's exploration ends at the first invariant it declares, which may be another one;
+    # the second pass does not stop, so every configuration of the scenario gets its turn.
+    for budget, stop in ((300, True), (40, False)):
+        for name in declaring:
+            for scenario in registry.MUTANTS[name].scenarios:
+                for strategy in ("random", "pct"):
+                    res = explore(scenario, strategy=strategy, budget=budget, mutant=name, stop_on_violation=stop)
+                    if invariant in res.invariants():
+                        return
+                    tried.append(f"{name} on {scenario} [{strategy}]: {res.invariants()}")
+    pytest.fail(f"{invariant} never failed: {'; '.join(tried)}")
+
+
+def test_no_mutant_declares_a_crash() -> None:
+    assert [name for name, m in registry.MUTANTS.items() if set(m.expect) & UNDECLARABLE] == []
