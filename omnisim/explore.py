@@ -211,6 +211,10 @@ class ExploreResult:
         """Whether a run with ``violations`` is a find."""
         return bool(violations) and (self.wanted is None or any(v.invariant in self.wanted for v in violations))
 
+    def counts_entry(self, entry: dict[str, Any]) -> bool:
+        """Whether a recorded entry of :attr:`violations` is a find."""
+        return self.wanted is None or any(v["invariant"] in self.wanted for v in entry["violations"])
+
     def invariants(self) -> list[str]:
         """Every invariant that failed in some schedule, counted or not."""
         return sorted({v["invariant"] for entry in self.violations for v in entry["violations"]})

@@ -1,0 +1,114 @@
+"""omnisim in a user's test suite: a pytest plugin (entry point ``pytest11``, loaded by pytest
+whenever omnisim is installed).
+
+A test explores a scenario — a built-in one, or its own, registered with the decorators — and
+fails on the first violation, with the invariants' messages, the artifact that was saved and
+the command that replays it::
+
+    from omnisim.registry import scenario
+
+    @scenario("my_edge", summary="...", issue="mine", build=edge_world)
+    async def my_edge(world): ...
+
+    def test_my_edge_holds(omnisim_explore):
+        omnisim_explore("my_edge", strategy="pct", budget=300)
+
+``--omnisim-budget N`` overrides every budget (a nightly job runs longer than a pull request);
+``--omnisim-artifacts DIR`` keeps the artifacts there (default: the test's ``tmp_path``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a test explores
+    from omnisim.explore import ExploreResult
+    from omnisim.registry import Params
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("omnisim", "omnisim: explore scenarios from tests")
+    group.addoption("--omnisim-budget", type=int, default=None, help="schedules for every omnisim_explore call")
+    group.addoption("--omnisim-artifacts", default=None, help="where failing schedules are saved (default: tmp_path)")
+
+
+class Explorer:
+    """``omnisim_explore(scenario, ...)``: explore, and fail the test on a violation."""
+
+    def __init__(self, out_dir: str, budget: int | None) -> None:
+        self.out_dir = out_dir
+        self.budget = budget
+
+    def __call__(
+        self,
+        scenario: str,
+        *,
+        budget: int = 200,
+        strategy: str = "random",
+        store: str = "memory",
+        seed: int = 0,
+        mutant: str | None = None,
+        params: Params | None = None,
+        time_limit: float | None = None,
+    ) -> ExploreResult:
+        from omnisim import registry
+        from omnisim.explore import explore
+
+        registry.load()
+        res = explore(
+            scenario,
+            strategy=strategy,
+            budget=self.budget or budget,
+            time_limit=time_limit,
+            seed=seed,
+            store=store,
+            mutant=mutant,
+            params=params,
+            out_dir=self.out_dir,
+            plugins=_defining_files(scenario, mutant),
+        )
+        if res.first_violation_after is not None:
+            pytest.fail(_failure(res), pytrace=False)
+        return res
+
+
+@pytest.fixture
+def omnisim_explore(request: pytest.FixtureRequest, tmp_path: Any) -> Explorer:
+    """Explore a scenario under a budget; the test fails with the artifact and its replay command."""
+    out_dir = request.config.getoption("--omnisim-artifacts") or str(tmp_path / "omnisim-artifacts")
+    return Explorer(out_dir, request.config.getoption("--omnisim-budget"))
+
+
+def _defining_files(scenario: str, mutant: str | None) -> list[str]:
+    """The files that registered ``scenario`` and ``mutant`` outside omnisim: a replay must load
+    them again (the artifact records them as plugins)."""
+    from omnisim import registry
+
+    functions = [registry.get_scenario(scenario).body]
+    found = registry.get_mutant(mutant)
+    if found is not None:
+        functions.append(found.patches)
+    files = []
+    for fn in functions:
+        module = sys.modules.get(fn.__module__)
+        path = getattr(module, "__file__", None)
+        builtin = fn.__module__.split(".")[0] in ("scenarios", "omnisim")
+        if path and not builtin and path not in files:
+            files.append(os.path.abspath(path))
+    return files
+
+
+def _failure(res: ExploreResult) -> str:
+    entry = next(e for e in res.violations if res.counts_entry(e))
+    lines = [
+        f"omnisim: {res.scenario} [{res.strategy}, {res.store}"
+        + (f", mutant {res.mutant}" if res.mutant else "")
+        + f"] broke an invariant after {res.first_violation_after} schedule(s), seed {entry['seed']}:"
+    ]
+    lines += [f"  {v['invariant']}: {v['message']}" for v in entry["violations"]]
+    lines += [f"artifact: {entry['artifact']}", f"replay:   omnisim replay {entry['artifact']}"]
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""The pytest plugin, as a user meets it: a test file of their own, their own scenario, a failure
+that names the artifact and the command that replays it — and the replay reproduces."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+from omnisim.registry import Patch, mutant, scenario
+from runtime.transfer.adapter import ChunkTransferAdapter
+from scenarios.edge import EdgeRequest, edge_world, serve
+
+
+@scenario("usertest_roundtrip", summary="my own edge scenario", issue="mine", build=edge_world)
+async def roundtrip(world):
+    await serve(EdgeRequest(world, "P"), [2, 1])
+
+
+@mutant("usertest_forgetful_receiver", summary="my own bug", issue="mine",
+        scenarios=("usertest_roundtrip",), expect=("no-tombstones",))
+def forgetful_receiver():
+    async def cleanup_receiver(self, request_id):
+        return None
+
+    yield Patch(ChunkTransferAdapter, "cleanup_receiver", cleanup_receiver)
+
+
+def test_my_scenario_holds(omnisim_explore):
+    res = omnisim_explore("usertest_roundtrip", budget=20)
+    assert res.schedules == 20
+
+
+def test_a_builtin_scenario_holds_under_pct(omnisim_explore):
+    omnisim_explore("abort_during_put", strategy="pct", budget=20)
+
+
+def test_my_bug_is_caught(omnisim_explore):
+    omnisim_explore("usertest_roundtrip", budget=20, mutant="usertest_forgetful_receiver")
+"""
+
+
+def test_a_user_test_file_explores_and_fails_with_a_replayable_artifact(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    artifacts = pytester.path / "artifacts"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--omnisim-artifacts", str(artifacts))
+    result.assert_outcomes(passed=2, failed=1)
+    output = result.stdout.str()
+    assert "usertest_roundtrip [random, memory, mutant usertest_forgetful_receiver] broke an invariant" in output
+    assert "no-tombstones:" in output
+    replay = re.search(r"replay:\s+omnisim replay (\S+\.json)", output)
+    assert replay is not None, output
+    # The artifact names the test file as a plugin, so a fresh process replays the user's own
+    # scenario and mutant: exit 1, the violation reproduces.
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnisim.cli", "replay", replay.group(1)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "reproduced" in proc.stdout
+
+
+def test_the_budget_option_overrides_every_call(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_budget="""
+def test_budget(omnisim_explore):
+    assert omnisim_explore("abort_during_put", budget=500).schedules == 7
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--omnisim-budget", "7")
+    result.assert_outcomes(passed=1)
