@@ -136,6 +136,14 @@ def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("--mutant", help="apply a mutant (a re-created historic bug; `omnisim list mutants`)")
     sp.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND[@NAME=VALUE,...][#N]",
+        help="inject a fault in every run, besides the scenario's own (repeatable): KIND at its point, on the "
+        "N-th hit whose attributes match, e.g. put_fail@key=R_0_3 or decode_fail#2 (`omnisim list faults`)",
+    )
+    sp.add_argument(
         "--order",
         action="append",
         metavar="CONSTRAINT",
@@ -251,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="list scenarios (with their parameters), mutants, invariants or points",
         epilog=_examples("omnisim list scenarios", "omnisim list points --json"),
     )
-    sp.add_argument("what", choices=("scenarios", "mutants", "invariants", "points"), help="what to list")
+    sp.add_argument("what", choices=("scenarios", "mutants", "invariants", "points", "faults"), help="what to list")
     _add_json(sp)
     _add_plugin(sp)
     sp.set_defaults(func=cmd_list, needs_registry=False)
@@ -395,6 +403,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         mutant=args.mutant,
         constraints=args.order,
         params=args.param,
+        faults=args.fault,
     )
     if args.trace:
         with open(args.trace, "w") as f:
@@ -490,6 +499,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "plugins": args.plugin,
         "constraints": args.order,
         "params": args.param,
+        "faults": args.fault,
     }
     results = _explore_all(args, [(name, common) for name in names])
     payload = (
@@ -543,6 +553,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         from invariants import INVARIANTS
 
         rows = [(i.id, i.statement) for i in INVARIANTS.values()]
+    elif args.what == "faults":
+        from omnisim.faults import FAULT_KINDS
+
+        rows = [
+            (kind, f"at {point}: " + ("raises an error there" if raises else "acted out on the world (see faults.py)"))
+            for kind, (point, raises) in FAULT_KINDS.items()
+        ]
     else:
         from omnisim.points import POINTS
 

@@ -53,6 +53,8 @@ class RunResult:
     stop_reason: str | None
     unsatisfied: list[str]
     virtual_time_s: float
+    #: Faults added from the command line (``--fault``).
+    faults: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -159,6 +161,7 @@ async def run_once_async(
         stop_reason=outcome.stop_reason,
         unsatisfied=outcome.unsatisfied,
         virtual_time_s=outcome.virtual_time_s,
+        faults=list(scn.fault_specs),
     )
 
 
@@ -171,8 +174,9 @@ def run(
     mutant: str | None = None,
     constraints: list[str] | None = None,
     params: Params | None = None,
+    faults: list[str] | None = None,
 ) -> RunResult:
-    scn = get_scenario(scenario)
+    scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     with applied(m):
         return run_once(
@@ -269,12 +273,13 @@ def explore(
     constraints: list[str] | None = None,
     params: Params | None = None,
     on_schedule: OnSchedule | None = None,
+    faults: list[str] | None = None,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
     and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`."""
     if budget < 1:
         raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
-    scn = get_scenario(scenario)
+    scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     scn.configurations(params)  # an unknown parameter is a usage error before anything runs
     result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget, wanted=m.expect if m else None)
@@ -442,6 +447,7 @@ def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
         "seed": res.seed,
         "mutant": res.mutant,
         "params": res.params,
+        "faults": res.faults,
         "plugins": [os.path.abspath(p) if os.path.exists(p) else p for p in plugins],
         "strategy": res.strategy,
         "choices": res.choices,
@@ -508,7 +514,7 @@ def replay(path: str, *, plugins: list[str] | None = None) -> ReplayResult:
 
     artifact = load_artifact(path)
     load([*(artifact.get("plugins") or []), *(plugins or [])])
-    scn = get_scenario(artifact["scenario"])
+    scn = get_scenario(artifact["scenario"]).with_faults(artifact.get("faults") or [])
     mutant = get_mutant(artifact.get("mutant"))
     scn.configurations(artifact.get("params"))
     strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])

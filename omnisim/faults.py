@@ -110,6 +110,23 @@ class Fault:
         return None if make is None else make(attrs)
 
 
+def parse_fault(spec: str) -> Fault:
+    """A fault from the command line: ``KIND[@NAME=VALUE[,NAME=VALUE...]][#N]`` fires ``KIND``
+    at its point on the ``N``-th hit (default: the first) whose attributes match — for example
+    ``put_fail@key=R_0_3``, ``decode_fail#2`` or ``crash_reader@key=R_1_0``."""
+    rest, _, nth = spec.partition("#")
+    kind, _, matches = rest.partition("@")
+    match: dict[str, str] = {}
+    for pair in filter(None, matches.split(",")):
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value:
+            raise UnknownFaultError(f"fault {spec!r}: expected NAME=VALUE after '@', got {pair!r}")
+        match[name] = value
+    if nth and not nth.isdigit():
+        raise UnknownFaultError(f"fault {spec!r}: expected a hit number after '#', got {nth!r}")
+    return Fault(kind, match=match, nth=int(nth) if nth else 1)
+
+
 class FaultPlan:
     def __init__(self, faults: list[Fault], seed: int = 0) -> None:
         self.faults = faults

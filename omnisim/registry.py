@@ -7,18 +7,19 @@ package and are loaded the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import itertools
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from omnisim.base import UsageError
-from omnisim.faults import FaultPlan
+from omnisim.faults import FaultPlan, UnknownFaultError, parse_fault
 from omnisim.world import World
 
 BUILTIN_PLUGIN = "scenarios"
@@ -74,6 +75,27 @@ class Scenario:
     #: The share of a command's schedule budget this scenario runs (a long schedule runs fewer).
     budget_share: float = 1.0
     params: tuple[Param, ...] = ()
+    #: Faults added from the command line (``--fault``), as given: an artifact records them.
+    fault_specs: tuple[str, ...] = ()
+
+    def with_faults(self, specs: Sequence[str]) -> Scenario:
+        """This scenario with the faults ``specs`` (see :func:`~omnisim.faults.parse_fault`)
+        injected too, in every run, besides its own."""
+        if not specs:
+            return self
+        try:
+            for spec in specs:
+                parse_fault(spec)
+        except UnknownFaultError as e:
+            raise UsageError(str(e)) from None
+        own = self.faults
+
+        def plan(seed: int) -> FaultPlan:
+            base = own(seed)
+            # Fresh Fault objects each run: a fault counts its hits.
+            return FaultPlan([*(base.faults if base else []), *map(parse_fault, specs)], seed)
+
+        return dataclasses.replace(self, faults=plan, fault_specs=(*self.fault_specs, *specs))
 
     def budget(self, budget: int) -> int:
         return max(1, int(budget * self.budget_share))

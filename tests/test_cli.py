@@ -583,3 +583,29 @@ def test_ctrl_c_is_never_a_crash_of_the_runtime() -> None:
 
     assert is_interrupt(caught.value)
     assert kernel.crashes == []
+
+
+# -- faults from the command line ----------------------------------------------------------------
+
+
+def test_a_fault_from_the_command_line_is_injected_recorded_and_replayed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["explore", "terminal_success_vs_failure", "--fault", "decode_fail#1", "--budget", "40"]
+    code, out, err = omnisim(capsys, *args, "--out", str(tmp_path), "--json")
+    assert code == 1, err
+    found = last_json(out)["violations"][0]
+    assert any(v["invariant"] == "terminal-delivered" for v in found["violations"])
+    artifact = json.loads(Path(found["artifact"]).read_text())
+    assert artifact["faults"] == ["decode_fail#1"]
+    code, out, err = omnisim(capsys, "replay", found["artifact"], "--json")
+    assert code == 1 and last_json(out)["reproduced"] is True, err
+    # Without the fault the same scenario holds.
+    code, _, err = omnisim(capsys, "explore", "terminal_success_vs_failure", "--budget", "40", "--out", str(tmp_path))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("spec", ["nope", "put_fail@key", "put_fail#x", "put_fail@=R"])
+def test_a_malformed_fault_is_a_usage_error(capsys: pytest.CaptureFixture[str], spec: str) -> None:
+    code, _, err = omnisim(capsys, "run", "abort_during_put", "--fault", spec)
+    assert code == 2 and "fault" in err and "Traceback" not in err
