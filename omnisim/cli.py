@@ -42,6 +42,8 @@ from omnisim.base import (
 )
 
 DEFAULT_BUDGET = 200
+#: ``check`` runs this share of its schedules twice, comparing the traces (determinism is a feature).
+CHECK_DETERMINISM_EVERY = 20
 REPORT_DIR = "reports/latest"
 #: Everything a command generates by default lands under this (git-ignored) folder.
 RUNS_DIR = "runs"
@@ -217,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", type=positive_int, default=DEFAULT_BUDGET, help="schedules per scenario (default: %(default)s)"
     )
     sp.add_argument("--time", type=positive_float, metavar="SECONDS", help="stop each scenario after this long")
+    sp.add_argument(
+        "--check-determinism",
+        type=positive_int,
+        metavar="N",
+        default=0,
+        help="run every N-th schedule twice; traces that differ are a 'deterministic' violation",
+    )
     sp.add_argument("--out", default=ARTIFACT_DIR, help="where artifacts go (default: %(default)s)")
     sp.set_defaults(func=cmd_explore, needs_registry=True)
 
@@ -225,9 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-run an artifact and compare its trace",
         description="Re-run an artifact's schedule. Exit 1 if its violation reproduces, 0 if a clean run "
         "replays clean, 3 if the run does not reproduce (the first diverging event is named).",
-        epilog=_examples("omnisim replay runs/artifacts/similar_ids-prefix_cleanup-memory-random-seed0.json"),
+        epilog=_examples(
+            "omnisim replay runs/artifacts/similar_ids-prefix_cleanup-memory-random-seed0.json",
+            "omnisim replay --check runs/artifacts/similar_ids-prefix_cleanup-memory-random-seed0.json",
+        ),
     )
     sp.add_argument("artifact", help="an artifact .json written by explore")
+    sp.add_argument(
+        "--check",
+        action="store_true",
+        help="run the schedule twice: exit 3 and name the first diverging event if the two traces differ",
+    )
     _add_json(sp)
     _add_plugin(sp)
     sp.set_defaults(func=cmd_replay, needs_registry=True)
@@ -500,6 +517,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "constraints": args.order,
         "params": args.param,
         "faults": args.fault,
+        "determinism_every": args.check_determinism,
     }
     results = _explore_all(args, [(name, common) for name in names])
     payload = (
@@ -514,8 +532,9 @@ def cmd_explore(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from omnisim import explore as ex
 
-    rr = ex.replay(args.artifact, plugins=args.plugin)
+    rr = ex.replay(args.artifact, plugins=args.plugin, check=args.check)
     summary = rr.run.summary() | {
+        "nondeterminism": rr.nondeterminism,
         "reproduced": rr.reproduced,
         "expected_trace_digest": rr.expected_digest,
         "diverged_at_choice": rr.diverged_at,
@@ -531,8 +550,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     ]
     if rr.first_difference:
         human.append(f"  uncontrolled nondeterminism or changed code: {rr.first_difference}")
+    if args.check:
+        human.append(
+            f"  NONDETERMINISTIC: two runs of the same schedule part at {rr.nondeterminism}"
+            if rr.nondeterminism
+            else f"  deterministic: a second run gave the same {len(rr.run.trace_lines)} events"
+        )
     _emit(args, human, summary)
-    if not rr.reproduced:
+    if not rr.reproduced or rr.nondeterminism:
         return EXIT_NOT_REPRODUCED
     return EXIT_VIOLATION if rr.run.violations else EXIT_OK
 
@@ -591,7 +616,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     writable_dir(args.out)
     stores = [args.store] if args.store else list(STORES)
     jobs = [
-        (name, {"strategy": strategy, "budget": budget, "seed": args.seed, "store": store, "out_dir": args.out})
+        (
+            name,
+            {"strategy": strategy, "budget": budget, "seed": args.seed, "store": store, "out_dir": args.out}
+            | {"determinism_every": CHECK_DETERMINISM_EVERY},
+        )
         for name in sorted(registry.SCENARIOS)
         for strategy, store, budget in check_plans(registry.SCENARIOS[name], args.budget, stores)
     ]

@@ -274,9 +274,14 @@ def explore(
     params: Params | None = None,
     on_schedule: OnSchedule | None = None,
     faults: list[str] | None = None,
+    determinism_every: int = 0,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
-    and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`."""
+    and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`.
+
+    ``determinism_every=N`` runs every N-th schedule (the first included) a second time: two
+    runs of one schedule that give different traces are a ``deterministic`` violation, which
+    names the first diverging event (not for ``hypothesis``)."""
     if budget < 1:
         raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
     scn = get_scenario(scenario).with_faults(faults or [])
@@ -301,6 +306,7 @@ def explore(
                 params,
                 on_schedule,
                 stop_on_violation,
+                determinism_every,
             )
     result.seconds = time.perf_counter() - start
     return result
@@ -329,9 +335,14 @@ def _explore_schedules(
     params: Params | None,
     on_schedule: OnSchedule | None,
     stop_on_violation: bool,
+    determinism_every: int,
 ) -> None:
     strategy, store, mutant, budget = result.strategy, result.store, result.mutant, result.budget
     start = time.perf_counter()
+
+    async def run_schedule(run_seed: int, decisions: int | None) -> RunResult:
+        schedule = make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
+        return await run_once_async(scn, store, schedule, run_seed, mutant, params)
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
@@ -340,14 +351,12 @@ def _explore_schedules(
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
             run_seed = seed + i
-            res = await run_once_async(
-                scn,
-                store,
-                make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions),
-                run_seed,
-                mutant,
-                params,
-            )
+            res = await run_schedule(run_seed, decisions)
+            if determinism_every and i % determinism_every == 0 and not stop_requested:
+                again = await run_schedule(run_seed, decisions)
+                parted = first_divergence(res.trace_lines, again.trace_lines, ("the first run", "the second"))
+                if parted:
+                    res.violations.append(Violation("deterministic", f"two runs of seed {run_seed} part at {parted}"))
             if stop_requested:
                 raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
             decisions = len(res.choices) or decisions
@@ -466,6 +475,8 @@ class ReplayResult:
     expected_digest: str
     diverged_at: int | None
     first_difference: str | None
+    #: With ``check``: where a second replay parted from the first (None: it did not).
+    nondeterminism: str | None = None
 
     @property
     def reproduced(self) -> bool:
@@ -508,8 +519,9 @@ def load_artifact(path: str) -> dict[str, Any]:
     return artifact
 
 
-def replay(path: str, *, plugins: list[str] | None = None) -> ReplayResult:
-    """Re-run an artifact: its exact choices first, its event order where the choices stop fitting."""
+def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) -> ReplayResult:
+    """Re-run an artifact: its exact choices first, its event order where the choices stop fitting.
+    With ``check``, run it twice: two runs of one schedule must give the same trace, byte for byte."""
     from omnisim.registry import load
 
     artifact = load_artifact(path)
@@ -517,21 +529,29 @@ def replay(path: str, *, plugins: list[str] | None = None) -> ReplayResult:
     scn = get_scenario(artifact["scenario"]).with_faults(artifact.get("faults") or [])
     mutant = get_mutant(artifact.get("mutant"))
     scn.configurations(artifact.get("params"))
-    strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
-    with applied(mutant):
-        res = run_once(
-            scn,
-            store=artifact["store"],
-            strategy=strategy,
-            seed=artifact["seed"],
-            mutant=artifact.get("mutant"),
-            params=artifact.get("params"),
-        )
-    res.strategy = {"strategy": "replay", "of": artifact["strategy"]}
+
+    def once() -> tuple[RunResult, ReplayStrategy]:
+        strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
+        with applied(mutant):
+            res = run_once(
+                scn,
+                store=artifact["store"],
+                strategy=strategy,
+                seed=artifact["seed"],
+                mutant=artifact.get("mutant"),
+                params=artifact.get("params"),
+            )
+        res.strategy = {"strategy": "replay", "of": artifact["strategy"]}
+        return res, strategy
+
+    res, strategy = once()
     difference = None
     if res.trace_digest != artifact["trace_digest"]:
         difference = _first_difference(path, res.trace_lines)
-    return ReplayResult(res, artifact["trace_digest"], strategy.diverged_at, difference)
+    nondeterminism = (
+        first_divergence(res.trace_lines, once()[0].trace_lines, ("the first run", "the second")) if check else None
+    )
+    return ReplayResult(res, artifact["trace_digest"], strategy.diverged_at, difference, nondeterminism)
 
 
 def _first_difference(artifact_path: str, lines: list[str]) -> str:
@@ -541,7 +561,14 @@ def _first_difference(artifact_path: str, lines: list[str]) -> str:
             recorded = [line.rstrip("\n") for line in f]
     except OSError:
         return "the recorded trace is missing, so the first diverging event is unknown"
-    for i, (a, b) in enumerate(zip(recorded, lines, strict=False)):
-        if a != b:
-            return f"event {i}: recorded {a} but replay gave {b}"
-    return f"the traces agree for {min(len(recorded), len(lines))} events, then one is longer"
+    return first_divergence(recorded, lines, ("recorded", "replay gave")) or "the traces are the same"
+
+
+def first_divergence(a: list[str], b: list[str], names: tuple[str, str] = ("one run", "the other")) -> str | None:
+    """Where two traces part (None: they do not)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"event {i}: {names[0]} {x} but {names[1]} {y}"
+    if len(a) != len(b):
+        return f"the traces agree for {min(len(a), len(b))} events, then one is longer"
+    return None

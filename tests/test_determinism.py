@@ -61,3 +61,33 @@ def test_trace_lines_are_canonical_json() -> None:
     event = TraceEvent(3, 10, 'ta"sk', "ev.x", {"z": 1, "a": "é", "m": None, "b": True})
     expected = {"i": 3, "t": 10, "task": 'ta"sk', "ev": "ev.x", "a": event.attrs}
     assert event.canonical() == _json.dumps(expected, sort_keys=True, separators=(",", ":"))
+
+
+def test_a_schedule_that_runs_differently_twice_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: state that outlives a run (here a module-level counter) makes two runs of one
+    schedule differ; explore's sampled check and ``replay --check`` both name the first event
+    where they part."""
+    import itertools
+
+    from omnisim import registry
+    from omnisim.explore import explore, replay
+    from omnisim.world import World
+    from runtime.kernel import current_kernel
+
+    registry.load()
+    monkeypatch.setattr(registry, "SCENARIOS", dict(registry.SCENARIOS))
+    leaked = itertools.count()
+
+    @registry.scenario("detest_leaky", summary="keeps a counter across runs", issue="test", build=World)
+    async def leaky(world: World) -> None:
+        current_kernel().note("orch.accepted", req=f"R{next(leaked)}")
+
+    res = explore("detest_leaky", budget=3, determinism_every=1, out_dir=str(tmp_path))
+    (entry,) = res.violations[:1]
+    (violation,) = entry["violations"]
+    assert violation["invariant"] == "deterministic"
+    assert "event 0: the first run" in violation["message"] and "R0" in violation["message"]
+    rr = replay(entry["artifact"], check=True)
+    assert rr.nondeterminism is not None and "the second" in rr.nondeterminism
+    # A deterministic scenario passes the same check.
+    assert explore("abort_during_put", budget=10, determinism_every=1).violations == []
