@@ -48,7 +48,7 @@ REPORT_DIR = "reports/latest"
 #: Everything a command generates by default lands under this (git-ignored) folder.
 RUNS_DIR = "runs"
 ARTIFACT_DIR = os.path.join(RUNS_DIR, "artifacts")
-STRATEGIES = ("random", "pct", "ordered", "hypothesis")
+STRATEGIES = ("random", "pct", "ordered", "hypothesis", "dfs")
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
@@ -219,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", type=positive_int, default=DEFAULT_BUDGET, help="schedules per scenario (default: %(default)s)"
     )
     sp.add_argument("--time", type=positive_float, metavar="SECONDS", help="stop each scenario after this long")
+    sp.add_argument(
+        "--delays",
+        "--preemptions",
+        type=int,
+        default=2,
+        metavar="N",
+        help="dfs: every schedule that strays at most N from the default one (a preemption costs at least 1; "
+        "default: %(default)s)",
+    )
     sp.add_argument(
         "--check-determinism",
         type=positive_int,
@@ -456,6 +465,8 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
         lines.extend(_violations_text(v["violations"][:5]))
     if not s["violations"]:
         lines.append("  no violation")
+    if s.get("exhausted"):
+        lines.append(f"  bounded space exhausted: {s['schedules']} schedules")
     return lines
 
 
@@ -518,6 +529,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "params": args.param,
         "faults": args.fault,
         "determinism_every": args.check_determinism,
+        "delays": args.delays,
     }
     results = _explore_all(args, [(name, common) for name in names])
     payload = (

@@ -20,6 +20,7 @@ from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, st
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
+from omnisim.strategies.dfs import DfsSearch, DfsStrategy
 from omnisim.strategies.hypothesis import SCHEDULES, HypothesisStrategy
 from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
@@ -28,7 +29,9 @@ from omnisim.strategies.replay import ReplayStrategy
 from omnisim.world import sweep_made_stores
 from runtime.kernel import use_kernel
 
-STRATEGIES = ("random", "pct", "ordered", "hypothesis")
+STRATEGIES = ("random", "pct", "ordered", "hypothesis", "dfs")
+#: Strategies that search (they run inside explore, never as one run).
+SEARCHES = ("hypothesis", "dfs")
 ARTIFACT_VERSION = 1
 
 
@@ -79,14 +82,14 @@ def make_strategy(
 ) -> Strategy:
     """The strategy ``name`` for one run. ``decisions_hint``: how many choices a run of this
     scenario made before (pct draws its change points among that many)."""
-    if name in ("random", "pct", "hypothesis") and constraints:
+    if name in ("random", "pct", "hypothesis", "dfs") and constraints:
         raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
     if name == "random":
         return RandomStrategy(seed)
     if name == "pct":
         return PctStrategy(seed, max_steps=decisions_hint or DEFAULT_MAX_STEPS)
-    if name == "hypothesis":
-        raise UsageError("the hypothesis strategy draws its choices inside a search: use explore, not run")
+    if name in SEARCHES:
+        raise UsageError(f"the {name} strategy is a search across runs: use explore, not run")
     if name == "ordered":
         chosen = list(constraints) if constraints else list(scn.constraints)
         if not chosen:
@@ -210,6 +213,8 @@ class ExploreResult:
     #: a mutant's declared ones (anything else it trips is breakage, recorded but not a find).
     #: None: any violation counts.
     wanted: tuple[str, ...] | None = None
+    #: A search (``dfs``) ran every schedule within its bound: a proof, within that bound.
+    exhausted: bool = False
 
     def counts(self, violations: list[Violation]) -> bool:
         """Whether a run with ``violations`` is a find."""
@@ -239,6 +244,7 @@ class ExploreResult:
             "violations": self.violations,
             "first_violation_after": self.first_violation_after,
             "wanted": list(self.wanted) if self.wanted is not None else None,
+            "exhausted": self.exhausted,
             "unsatisfied_runs": self.unsatisfied_runs,
             "artifact": self.artifact,
             "interrupted": self.interrupted,
@@ -275,13 +281,17 @@ def explore(
     on_schedule: OnSchedule | None = None,
     faults: list[str] | None = None,
     determinism_every: int = 0,
+    delays: int = 2,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
     and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`.
 
     ``determinism_every=N`` runs every N-th schedule (the first included) a second time: two
     runs of one schedule that give different traces are a ``deterministic`` violation, which
-    names the first diverging event (not for ``hypothesis``)."""
+    names the first diverging event (not for ``hypothesis``).
+
+    ``dfs`` runs every schedule of seed ``seed``'s world that strays at most ``delays`` from
+    the default schedule, depth first; :attr:`ExploreResult.exhausted` says it ran them all."""
     if budget < 1:
         raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
     scn = get_scenario(scenario).with_faults(faults or [])
@@ -307,6 +317,7 @@ def explore(
                 on_schedule,
                 stop_on_violation,
                 determinism_every,
+                delays,
             )
     result.seconds = time.perf_counter() - start
     return result
@@ -336,13 +347,24 @@ def _explore_schedules(
     on_schedule: OnSchedule | None,
     stop_on_violation: bool,
     determinism_every: int,
+    delays: int,
 ) -> None:
     strategy, store, mutant, budget = result.strategy, result.store, result.mutant, result.budget
     start = time.perf_counter()
 
-    async def run_schedule(run_seed: int, decisions: int | None) -> RunResult:
-        schedule = make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
-        return await run_once_async(scn, store, schedule, run_seed, mutant, params)
+    search = DfsSearch(delays) if strategy == "dfs" else None
+
+    def next_schedule(i: int, decisions: int | None) -> tuple[int, Callable[[], Strategy]] | None:
+        """Schedule ``i``'s seed and a maker of its strategy (a second run needs a fresh one);
+        None once a search has run every schedule it can."""
+        if search is None:
+            run_seed = seed + i
+            return run_seed, lambda: make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
+        execution = search.next_execution()
+        if execution is None:
+            return None
+        # One world, one seed: the search is over the schedules of that world.
+        return seed, lambda: DfsStrategy(execution.prefix, execution.delays)
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
@@ -350,10 +372,17 @@ def _explore_schedules(
         for i in range(budget):
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
-            run_seed = seed + i
-            res = await run_schedule(run_seed, decisions)
+            planned = next_schedule(i, decisions)
+            if planned is None:
+                result.exhausted = True
+                return
+            run_seed, make = planned
+            schedule = make()
+            res = await run_once_async(scn, store, schedule, run_seed, mutant, params)
+            if search is not None and isinstance(schedule, DfsStrategy):
+                search.record(schedule)
             if determinism_every and i % determinism_every == 0 and not stop_requested:
-                again = await run_schedule(run_seed, decisions)
+                again = await run_once_async(scn, store, make(), run_seed, mutant, params)
                 parted = first_divergence(res.trace_lines, again.trace_lines, ("the first run", "the second"))
                 if parted:
                     res.violations.append(Violation("deterministic", f"two runs of seed {run_seed} part at {parted}"))

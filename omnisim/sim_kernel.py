@@ -429,6 +429,7 @@ class SimKernel:
             if len(allowed) == 1:
                 return allowed[0]
             if allowed:
+                self.strategy.current = self.current
                 pick = self.strategy.choose(allowed)
                 self.choices.append(pick.tid)
                 return pick

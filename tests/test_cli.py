@@ -609,3 +609,12 @@ def test_a_fault_from_the_command_line_is_injected_recorded_and_replayed(
 def test_a_malformed_fault_is_a_usage_error(capsys: pytest.CaptureFixture[str], spec: str) -> None:
     code, _, err = omnisim(capsys, "run", "abort_during_put", "--fault", spec)
     assert code == 2 and "fault" in err and "Traceback" not in err
+
+
+def test_dfs_says_when_its_bounded_space_is_exhausted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["explore", "abort_during_put", "--strategy", "dfs", "--delays", "1", "--budget", "1000"]
+    code, out, err = omnisim(capsys, *args, "--out", str(tmp_path))
+    assert code == 0, err
+    assert "bounded space exhausted: 50 schedules" in out  # the default schedule and its 49 one-step deviations
+    code, _, err = omnisim(capsys, "run", "abort_during_put", "--strategy", "dfs")
+    assert code == 2 and "use explore" in err

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from omnisim import registry
-from omnisim.explore import explore
+from omnisim.explore import explore, replay
 from scenarios import RACE_TABLE
 
 registry.load()
@@ -95,3 +96,22 @@ def test_pipeline_scenarios_walk_their_configurations() -> None:
 def test_a_pipeline_configuration_is_clean(params: dict[str, str]) -> None:
     res = explore("pipeline_concurrent_chaos", budget=6, params=params, stop_on_violation=False)
     assert res.violations == []
+
+
+def test_dfs_exhausts_a_small_scenario_and_its_finds_replay(tmp_path: Path) -> None:
+    """Issue 11: a search that ends. Every schedule of abort_during_put's world within 2 delays
+    (666 of them) holds; on parked_sender_terminal the search finds finish_before_force_terminal
+    (schedule 309), and the artifact replays to the same trace."""
+    clean = explore("abort_during_put", strategy="dfs", delays=2, budget=5000)
+    assert clean.exhausted and clean.schedules == 666 and clean.violations == []
+    found = explore(
+        "parked_sender_terminal",
+        strategy="dfs",
+        delays=2,
+        budget=5000,
+        mutant="finish_before_force_terminal",
+        out_dir=str(tmp_path),
+    )
+    assert found.first_violation_after is not None and not found.exhausted
+    assert "liveness" in found.invariants()
+    assert replay(found.violations[0]["artifact"]).reproduced

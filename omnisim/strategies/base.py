@@ -14,10 +14,13 @@ class Strategy:
     """Given the runnable tasks, pick the one that runs next.
 
     ``allowed`` may hold tasks back (ordering constraints); ``choose`` is only asked when at
-    least two tasks are allowed; ``on_event`` sees every trace event as it happens.
+    least two tasks are allowed; ``on_event`` sees every trace event as it happens. When
+    ``choose`` is asked, ``current`` is the task that ran last: picking another candidate while
+    it is one of them *preempts* it.
     """
 
     name = "base"
+    current: SimTask | None = None
 
     def allowed(self, ready: list[SimTask]) -> list[SimTask]:
         return ready
