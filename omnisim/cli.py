@@ -67,12 +67,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
+    return _whole_number(text, least=1)
+
+
+def non_negative_int(text: str) -> int:
+    return _whole_number(text, least=0)
+
+
+def _whole_number(text: str, *, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
 
 
@@ -208,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples(
             "omnisim explore id_reuse_after_cancel --strategy pct --budget 200",
             "omnisim explore similar_ids --mutant prefix_cleanup --budget 50",
+            "omnisim explore abort_during_put --strategy dfs --delays 2 --budget 100000",
             "omnisim explore --all --budget 100 --json",
         ),
     )
@@ -222,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--delays",
         "--preemptions",
-        type=int,
+        type=non_negative_int,
         default=2,
         metavar="N",
         help="dfs: every schedule that strays at most N from the default one (a preemption costs at least 1; "

@@ -260,8 +260,9 @@ class Stage:
     scheduler: StageScheduler
     #: The AR stages' model side (its per-request state counts as residue); None for Code2Wav.
     worker: ThinkerWorker | TalkerWorker | None = None
-    #: This stage's model compute (one meter per stage: stages compute in threads of their own).
-    meter: ComputeMeter = field(default_factory=lambda: ComputeMeter())
+    #: This stage's model compute (one meter per stage, so each stage's time is its own even
+    #: when stages compute at once, in threads or processes of their own).
+    meter: ComputeMeter = field(default_factory=ComputeMeter)
 
     @property
     def stage_id(self) -> int:
