@@ -137,6 +137,16 @@ def _add_run_options(sp: argparse.ArgumentParser, *, store_default: str | None =
     )
 
 
+def _add_jobs(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run the explorations in N processes (the results are the same for any N; default: %(default)s)",
+    )
+
+
 def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--strategy",
@@ -180,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the main job: every scenario, every strategy, both stores, against the clean runtime",
         description="Explore every scenario with the random walk and PCT on both stores (and each scenario's "
         "ordering, if it declares one) against the clean runtime; write a report; exit 1 on any violation.",
-        epilog=_examples("omnisim check", "omnisim check --budget 50 --store memory"),
+        epilog=_examples("omnisim check", "omnisim check --budget 50 --store memory", "omnisim check --jobs 2"),
     )
     _add_run_options(sp, store_default=None)
+    _add_jobs(sp)
     sp.add_argument(
         "--budget",
         type=positive_int,
@@ -221,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sp.add_argument("scenario", nargs="?", help="a scenario name (`omnisim list scenarios`)")
-    sp.add_argument("--all", action="store_true", help="explore every scenario, one after the other")
+    sp.add_argument("--all", action="store_true", help="explore every scenario")
+    _add_jobs(sp)
     _add_run_options(sp)
     _add_scenario_options(sp)
     sp.add_argument(
@@ -499,6 +511,9 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
 
     with _tracked(Progress.for_command(explore_lines, json_output=args.json)) as progress:
         progress.plan([kwargs["budget"] for _, kwargs in jobs])
+        if args.jobs > 1:
+            _explore_in_processes(args.jobs, jobs, progress, args.plugin)
+            return progress.finished
         for scenario, kwargs in jobs:
             label = f"{scenario} [{kwargs.get('strategy', 'random')}, {kwargs.get('store', 'memory')}]"
             on_schedule = progress.start(label, kwargs["budget"])
@@ -509,6 +524,74 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
                 raise
             progress.done(res.summary(), kwargs["budget"])
         return progress.finished
+
+
+def _explore_in_processes(
+    processes: int, jobs: list[tuple[str, dict[str, Any]]], progress: Any, plugins: list[str]
+) -> None:
+    """The explorations of ``jobs`` on a pool of ``processes`` (spawned, each with its own trio
+    loop and simulator). Each exploration is deterministic and independent, so the results are
+    those of one process; they are reported in the jobs' order. On Ctrl-C or SIGTERM the workers
+    are told to stop (SIGTERM: each abandons its schedule in progress and removes what it made)
+    and what they ran is reported before the interrupt goes on up."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+    pool = ProcessPoolExecutor(
+        processes,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(plugins, logging.getLogger().level),
+    )
+    futures: list[Future[dict[str, Any]]] = [pool.submit(_explore_job, scenario, kwargs) for scenario, kwargs in jobs]
+    reported = 0
+
+    def report_ready(*, stopping: bool = False) -> None:
+        """Report the finished explorations that come next in the jobs' order. While stopping,
+        one that never ran (cancelled, or its worker gone) ends the report."""
+        nonlocal reported
+        while reported < len(futures) and futures[reported].done():
+            future = futures[reported]
+            if stopping and (future.cancelled() or future.exception() is not None):
+                return
+            progress.done(future.result(), jobs[reported][1]["budget"])
+            reported += 1
+
+    try:
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+            report_ready()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        # The pool's own processes: the only handle on them that concurrent.futures gives.
+        for worker in list(pool._processes.values()):
+            if worker.is_alive() and worker.pid is not None:
+                os.kill(worker.pid, signal.SIGTERM)
+        wait([f for f in futures if not f.cancelled()], timeout=30)
+        report_ready(stopping=True)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _worker_init(plugins: list[str], log_level: int) -> None:
+    # Ctrl-C reaches the whole process group: the parent decides, and stops its workers with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from omnisim import registry
+
+    registry.load(plugins)
+
+
+def _explore_job(scenario: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    from omnisim import explore as ex
+
+    try:
+        return ex.explore(scenario, **kwargs).summary()
+    except ex.Interrupted as stop:
+        return stop.partial.summary()
 
 
 def cmd_explore(args: argparse.Namespace) -> int:

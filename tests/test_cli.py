@@ -528,13 +528,15 @@ def _shm_names() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("omnisim-")}
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, status: int) -> None:
+def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, status: int, jobs: str) -> None:
     """Each signal stops a long exploration at once: its exit status, a summary of what ran, no
-    artifact invented from the interrupted schedule, nothing left in /dev/shm."""
+    artifact invented from the interrupted schedule, nothing left in /dev/shm — also when the
+    explorations run in worker processes (which the signal does not reach: their parent stops them)."""
     before = _shm_names()
     out_dir = tmp_path / "artifacts"
-    argv = ["explore", "--all", "--budget", "100000", "--store", "posix", "--out", str(out_dir)]
+    argv = ["explore", "--all", "--budget", "100000", "--store", "posix", "--out", str(out_dir), "--jobs", jobs]
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnisim.cli", *argv],
         stdout=subprocess.PIPE,
@@ -618,3 +620,15 @@ def test_dfs_says_when_its_bounded_space_is_exhausted(capsys: pytest.CaptureFixt
     assert "bounded space exhausted: 50 schedules" in out  # the default schedule and its 49 one-step deviations
     code, _, err = omnisim(capsys, "run", "abort_during_put", "--strategy", "dfs")
     assert code == 2 and "use explore" in err
+
+
+def test_explorations_in_processes_give_the_same_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    def results(jobs: str) -> list[dict[str, Any]]:
+        args = ["explore", "--all", "--budget", "3", "--out", str(tmp_path), "--jobs", jobs, "--json"]
+        code, out, err = omnisim(capsys, *args)
+        assert code == 0, err
+        return [
+            {k: v for k, v in r.items() if k not in ("seconds", "schedules_per_s")} for r in last_json(out)["results"]
+        ]
+
+    assert results("2") == results("1")
