@@ -623,3 +623,15 @@ def test_a_paused_process_runs_nothing_until_it_continues() -> None:
     out = sim(0).run(main)
     assert out.stop_reason is None, out.detail
     assert times == {"awake": 0.0, "sleeper": 2.0}
+
+
+def test_a_hypothesis_schedule_can_choose_every_runnable_task() -> None:
+    """Issue 11: with choices drawn from 0..7, the 9th and later runnable tasks (scenarios have up
+    to 13) could never be chosen."""
+    from hypothesis import find
+
+    from omnisim.strategies.hypothesis import CHOICE, HypothesisStrategy
+
+    tasks = list(range(13))
+    assert find(CHOICE, lambda c: c >= len(tasks) - 1) >= len(tasks) - 1
+    assert {HypothesisStrategy([c]).choose(tasks) for c in range(32)} == set(tasks)  # type: ignore[arg-type]
