@@ -44,6 +44,7 @@ def build_process_engine(
             spec,
             lives.make,
             world.new_namespace,
+            world.sweep_namespace,
             restart=config.deploy.restart,
             upstream=upstream,
             on_death=engine.stage_died,
@@ -108,7 +109,6 @@ class _Lives:
             process=lambda: _as_process(process),
             kill=kill,
             exited=lambda: not world.alive(process),
-            sweep=lambda: world.sweep_namespace(namespace),
             point_upstream=point_upstream,
         )
 

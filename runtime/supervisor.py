@@ -132,8 +132,6 @@ class Life:
     kill: Callable[[], None]
     #: Whether its process is gone (as ``waitpid`` tells a parent).
     exited: Callable[[], bool]
-    #: Remove what it left in its namespace (once it is dead).
-    sweep: Callable[[], None]
     #: Point it at the namespace its producer now writes into.
     point_upstream: Callable[[str], None]
     #: When its heartbeat last beat.
@@ -143,13 +141,15 @@ class Life:
 class LocalStage(Supervised):
     """A stage of this process whose tasks form a process of their own, with a namespace of its
     own and a heartbeat: see the module docstring. ``make_life(namespace, upstream_namespace)``
-    builds each life; ``new_namespace()`` names the next one's namespace."""
+    builds each life; ``new_namespace()`` names the next one's namespace and
+    ``sweep_namespace(ns)`` removes what a dead one left in its own."""
 
     def __init__(
         self,
         spec: StageSpec,
         make_life: Callable[[str, str | None], Life],
         new_namespace: Callable[[], str],
+        sweep_namespace: Callable[[str], None],
         *,
         restart: str,
         upstream: LocalStage | None,
@@ -157,6 +157,7 @@ class LocalStage(Supervised):
     ) -> None:
         self._make_life = make_life
         self._fresh = new_namespace
+        self._sweep = sweep_namespace
         self.life: Life | None = None
         self._compute_before = 0.0
         #: Where every life's tasks run: a life found dead must not hold up the next one.
@@ -198,8 +199,7 @@ class LocalStage(Supervised):
         return self._fresh()
 
     def sweep(self, namespace: str) -> None:
-        if self.life is not None:
-            self.life.sweep()
+        self._sweep(namespace)
 
     def upstream_moved(self, namespace: str) -> None:
         if self.life is not None:
