@@ -145,6 +145,21 @@ def _add_jobs(sp: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run the explorations in N processes (the results are the same for any N; default: %(default)s)",
     )
+    sp.add_argument(
+        "--shard",
+        type=shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="only the I-th of N equal shares of the work (0 ≤ I < N), for a CI matrix: "
+        "the N shards together run exactly what one run without --shard does",
+    )
+
+
+def shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"a shard is I/N with 0 ≤ I < N, like 0/4, not {text!r}")
+    return int(index), int(count)
 
 
 def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
@@ -256,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="run every N-th schedule twice; traces that differ are a 'deterministic' violation",
     )
+    sp.add_argument(
+        "--no-shrink",
+        dest="shrink",
+        action="store_false",
+        help="save a find as found (by default a random, PCT or ordered find is shrunk to the fewest "
+        "deviations from the default schedule that still fail)",
+    )
     sp.add_argument("--out", default=ARTIFACT_DIR, help="where artifacts go (default: %(default)s)")
     sp.set_defaults(func=cmd_explore, needs_registry=True)
 
@@ -300,6 +322,79 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--time-limit", type=positive_float, help="seconds per mutant, scenario and strategy")
     sp.add_argument("--out", default=REPORT_DIR, help="where the table goes (default: %(default)s)")
     sp.set_defaults(func=cmd_mutants, needs_registry=True)
+
+    sp = sub.add_parser(
+        "mutate",
+        help="the mutation score: systematic slips in the runtime's source against the scenario sweep",
+        description="Mutate the runtime's source one slip at a time (a deleted call, a negated or off-by-one "
+        "comparison, swapped arguments, a removed lock, …), run the scenarios that execute the slip, and "
+        "report the score per module with every surviving mutant as a diff; exit 1 if any survives.",
+        epilog=_examples(
+            "omnisim mutate runtime/transfer",
+            "omnisim mutate runtime/connectors runtime/transfer --jobs 2",
+            "omnisim mutate runtime/connectors/keys.py --list",
+            "omnisim mutate runtime/connectors/wire.py --operator boundary --scenario corrupt_chunk",
+        ),
+    )
+    _add_plugin(sp)
+    _add_json(sp)
+    _add_jobs(sp)
+    sp.add_argument(
+        "target",
+        nargs="*",
+        default=["runtime/connectors", "runtime/transfer"],
+        help="runtime files or folders to mutate (default: runtime/connectors runtime/transfer)",
+    )
+    sp.add_argument(
+        "--budget",
+        type=positive_int,
+        default=12,
+        help="random schedules per scenario and store, and half as many PCT (default: %(default)s)",
+    )
+    sp.add_argument("--seed", type=int, default=0, help="the first schedule's seed (default: %(default)s)")
+    sp.add_argument(
+        "--time-limit", type=positive_float, default=120.0, help="seconds per mutant (default: %(default)s)"
+    )
+    sp.add_argument("--operator", action="append", help="only these operators (repeatable; `--list` shows them)")
+    sp.add_argument("--scenario", action="append", help="only these scenarios (repeatable; default: all)")
+    sp.add_argument("--id", action="append", help="only the mutants with these ids (repeatable; see --list)")
+    sp.add_argument("--limit", type=positive_int, help="only the first N mutants")
+    sp.add_argument("--list", action="store_true", help="list the mutants and stop")
+    sp.add_argument("--out", default=REPORT_DIR, help="where the report goes (default: %(default)s)")
+    sp.set_defaults(func=cmd_mutate, needs_registry=True)
+
+    sp = sub.add_parser(
+        "report",
+        help="one self-contained HTML page for a campaign and its failing runs",
+        description="Write one HTML page (no script, no external file) from report folders (check.json, "
+        "mutants.json, mutation.json) and artifacts: the explorations, the mutant detection table by strategy, "
+        "the mutation score with its survivors, and a timeline of each failing run.",
+        epilog=_examples(
+            "omnisim report",
+            "omnisim report reports/latest runs/artifacts/abort_during_put-clean-memory-random-seed3.json",
+        ),
+    )
+    sp.add_argument(
+        "source", nargs="*", default=[REPORT_DIR], help=f"report folders or artifacts (default: {REPORT_DIR})"
+    )
+    sp.add_argument(
+        "-o", "--out", default=os.path.join(REPORT_DIR, "index.html"), help="the page (default: %(default)s)"
+    )
+    sp.set_defaults(func=cmd_report, needs_registry=False)
+
+    sp = sub.add_parser(
+        "trace",
+        help="export a run's trace for other viewers",
+        description="Export an artifact's trace. --perfetto writes the Chrome trace event format, which "
+        "ui.perfetto.dev and chrome://tracing open: one thread per task, a slice per wait.",
+        epilog=_examples("omnisim trace export --perfetto runs/artifacts/RUN.json -o run.perfetto.json"),
+    )
+    trace_sub = sp.add_subparsers(dest="trace_command", required=True, parser_class=_Parser, metavar="ACTION")
+    tp = trace_sub.add_parser("export", help="write the trace in another format")
+    tp.add_argument("artifact", help="an artifact (.json) saved by run or explore")
+    tp.add_argument("--perfetto", action="store_true", required=True, help="the Chrome/Perfetto trace format")
+    tp.add_argument("-o", "--out", help="where to write (default: beside the artifact, .perfetto.json)")
+    tp.set_defaults(func=cmd_trace_export, needs_registry=False)
 
     sp = sub.add_parser(
         "list",
@@ -483,6 +578,12 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
     lines = [head]
     for v in s["violations"]:
         lines.append(f"  seed {v['seed']} (after {s['first_violation_after']} schedules): artifact {v.get('artifact')}")
+        if "shrunk" in v:
+            shrunk = v["shrunk"]
+            lines.append(
+                f"  shrunk in {shrunk['runs']} runs: {shrunk['preemptions_before']} → {shrunk['preemptions']} "
+                f"preemptions, {shrunk['deviations_before']} → {shrunk['deviations']} deviations from the default"
+            )
         lines.extend(_violations_text(v["violations"][:5]))
     if not s["violations"]:
         lines.append("  no violation")
@@ -509,6 +610,8 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
     from omnisim import explore as ex
     from omnisim.progress import Progress
 
+    index, count = args.shard
+    jobs = jobs[index::count]
     with _tracked(Progress.for_command(explore_lines, json_output=args.json)) as progress:
         progress.plan([kwargs["budget"] for _, kwargs in jobs])
         if args.jobs > 1:
@@ -622,6 +725,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "faults": args.fault,
         "determinism_every": args.check_determinism,
         "delays": args.delays,
+        "shrink_finds": args.shrink,
     }
     results = _explore_all(args, [(name, common) for name in names])
     payload = (
@@ -807,6 +911,93 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         {"rows": rows, "undetected": undetected, "broken": broken, "report": path},
     )
     return EXIT_VIOLATION if undetected else EXIT_OK
+
+
+def cmd_mutate(args: argparse.Namespace) -> int:
+    from omnisim import mutation
+
+    writable_dir(args.out)
+    index, count = args.shard
+    mutations = mutation.find(args.target, args.operator or mutation.OPERATORS, ids=args.id)[: args.limit]
+    mutations = mutations[index::count]
+    if args.list:
+        human = [f"{m.id}  {m.module}:{m.line}  {m.where}  {m.describe()}" for m in mutations]
+        _emit(args, [*human, f"{len(mutations)} mutants"], {"mutants": [m.id for m in mutations]})
+        return EXIT_OK
+    from tqdm import tqdm
+
+    live = sys.stdout.isatty() and not args.json
+    bar = tqdm(total=len(mutations), unit="mutant", disable=not live, file=sys.stderr, dynamic_ncols=True)
+    counts: dict[str, int] = {}
+
+    def on_outcome(o: Any) -> None:
+        counts[o.outcome] = counts.get(o.outcome, 0) + 1
+        bar.update(1)
+        bar.set_postfix_str(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        if o.outcome == "survived" and not args.json:
+            bar.write(f"survived {o.id} {o.module}:{o.line} {o.where}: {o.description}")
+
+    def on_baseline(baseline: Any) -> None:
+        if not args.json:
+            for plan, failed in baseline.failing.items():
+                bar.write(f"left out {plan}: it fails on the clean runtime ({', '.join(failed)})")
+            bar.write(f"baseline: {len(baseline.lines)} plans pass on the clean runtime")
+
+    try:
+        report = mutation.mutate(
+            mutations,
+            budget=args.budget,
+            seed=args.seed,
+            jobs=args.jobs,
+            time_limit=args.time_limit,
+            plugins=args.plugin,
+            scenarios=args.scenario,
+            on_outcome=on_outcome,
+            on_baseline=on_baseline,
+        )
+    finally:
+        bar.close()
+    json_path, diff_path = mutation.write_report(report, args.out)
+    human = [f"{'module':<34} {'killed':>6} {'crash':>6} {'t/o':>5} {'surv':>5} {'equiv':>6} {'score':>7}"]
+    for s in [*report.by_module(), report.total()]:
+        c = s.counts
+        score = f"{s.percent:.1f}%" if s.percent is not None else "-"
+        human.append(
+            f"{s.module:<34} {c.get('killed', 0):>6} {c.get('crashed', 0):>6} {c.get('timeout', 0):>5} "
+            f"{c.get('survived', 0):>5} {c.get('equivalent', 0):>6} {score:>7}"
+        )
+    human += [f"survivors as diffs: {diff_path}", f"report: {json_path} ({report.seconds:.0f} s)"]
+    _emit(args, human, report.as_dict() | {"report": json_path, "survivors": diff_path})
+    return EXIT_VIOLATION if report.survivors() else EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from omnisim.report.html import write_page
+
+    for source in args.source:
+        if not os.path.exists(source):
+            raise UsageError(f"no such report folder or artifact: {source}")
+    writable_file(args.out)
+    print(f"report: {write_page(args.source, args.out)}")
+    return EXIT_OK
+
+
+def cmd_trace_export(args: argparse.Namespace) -> int:
+    from omnisim.explore import load_artifact
+    from omnisim.report.perfetto import chrome_trace
+    from omnisim.report.timeline import read_trace
+
+    artifact = load_artifact(args.artifact)
+    out = args.out or args.artifact.removesuffix(".json") + ".perfetto.json"
+    writable_file(out)
+    try:
+        events = read_trace(args.artifact)
+    except FileNotFoundError as e:
+        raise UsageError(f"the artifact's trace is missing: {e.filename}") from None
+    with open(out, "w") as f:
+        json.dump(chrome_trace(events, f"{artifact['scenario']} seed {artifact['seed']}"), f)
+    print(f"wrote {out} ({len(events)} events): open it in ui.perfetto.dev or chrome://tracing")
+    return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import trio
 from invariants import Violation, check
 from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
+from omnisim.shrink import Shrunk, shrink
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
 from omnisim.strategies.dfs import DfsSearch, DfsStrategy
@@ -215,6 +216,8 @@ class ExploreResult:
     wanted: tuple[str, ...] | None = None
     #: A search (``dfs``) ran every schedule within its bound: a proof, within that bound.
     exhausted: bool = False
+    #: The digests of the different traces its schedules produced.
+    traces: set[str] = field(default_factory=set)
 
     def counts(self, violations: list[Violation]) -> bool:
         """Whether a run with ``violations`` is a find."""
@@ -245,6 +248,7 @@ class ExploreResult:
             "first_violation_after": self.first_violation_after,
             "wanted": list(self.wanted) if self.wanted is not None else None,
             "exhausted": self.exhausted,
+            "distinct_traces": len(self.traces),
             "unsatisfied_runs": self.unsatisfied_runs,
             "artifact": self.artifact,
             "interrupted": self.interrupted,
@@ -282,6 +286,7 @@ def explore(
     faults: list[str] | None = None,
     determinism_every: int = 0,
     delays: int = 2,
+    shrink_finds: bool = True,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
     and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`.
@@ -291,7 +296,10 @@ def explore(
     names the first diverging event (not for ``hypothesis``).
 
     ``dfs`` runs every schedule of seed ``seed``'s world that strays at most ``delays`` from
-    the default schedule, depth first; :attr:`ExploreResult.exhausted` says it ran them all."""
+    the default schedule, depth first; :attr:`ExploreResult.exhausted` says it ran them all.
+
+    A random, PCT or ordered find that is saved (``out_dir``) is shrunk first (``shrink_finds``, see
+    :mod:`omnisim.shrink`): the artifact is the smallest failing schedule of the same world."""
     if budget < 1:
         raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
     scn = get_scenario(scenario).with_faults(faults or [])
@@ -318,6 +326,7 @@ def explore(
                 stop_on_violation,
                 determinism_every,
                 delays,
+                shrink_finds,
             )
     result.seconds = time.perf_counter() - start
     return result
@@ -348,6 +357,7 @@ def _explore_schedules(
     stop_on_violation: bool,
     determinism_every: int,
     delays: int,
+    shrink_finds: bool,
 ) -> None:
     strategy, store, mutant, budget = result.strategy, result.store, result.mutant, result.budget
     start = time.perf_counter()
@@ -390,14 +400,21 @@ def _explore_schedules(
                 raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
             decisions = len(res.choices) or decisions
             result.schedules += 1
+            result.traces.add(res.trace_digest)
             result.seconds = time.perf_counter() - start
             if res.unsatisfied:
                 result.unsatisfied_runs += 1
             found = result.counts(res.violations)
             if found:
                 result.first_violation_after = result.first_violation_after or result.schedules
+            shrunk = None
+            if found and shrink_finds and out_dir is not None and search is None:
+                shrunk = await _shrink(res, scn, store, run_seed, mutant, params, result.counts)
+                res = shrunk.run
             if res.violations:
                 entry: dict[str, Any] = {"seed": run_seed, "violations": [v.as_dict() for v in res.violations]}
+                if shrunk is not None:
+                    entry["shrunk"] = shrunk.as_dict()
                 if out_dir is not None:
                     entry["artifact"] = save_artifact(res, out_dir, plugins)
                     result.artifact = result.artifact or entry["artifact"]
@@ -408,6 +425,25 @@ def _explore_schedules(
                 return
 
     trio.run(loop)
+
+
+async def _shrink(
+    found: RunResult,
+    scn: Scenario,
+    store: str,
+    seed: int,
+    mutant: str | None,
+    params: Params | None,
+    still_fails: Callable[[list[Violation]], bool],
+) -> Shrunk:
+    """The smallest schedule of ``found``'s world that still fails; recorded as what it came from."""
+    shrunk = await shrink(
+        found,
+        lambda strategy: run_once_async(scn, store, strategy, seed, mutant, params),
+        lambda res: still_fails(res.violations),
+    )
+    shrunk.run.strategy = found.strategy | {"shrunk": shrunk.as_dict()}
+    return shrunk
 
 
 def _explore_with_hypothesis(
@@ -445,6 +481,7 @@ def _explore_with_hypothesis(
         if stop_requested:
             raise KeyboardInterrupt
         result.schedules += 1
+        result.traces.add(res.trace_digest)
         if result.counts(res.violations):
             result.first_violation_after = result.first_violation_after or result.schedules
             failing.append((res, choices))  # Hypothesis ends on the shrunk example

@@ -47,9 +47,12 @@ class DfsStrategy(Strategy):
 
     name = "dfs"
 
-    def __init__(self, prefix: list[int], delays: int) -> None:
+    def __init__(self, prefix: list[int], delays: int, *, lenient: bool = False) -> None:
+        """``lenient``: a prefix index past a decision's candidates takes the default instead of
+        failing (a shrinker's edited prefix may no longer fit the decisions it changed)."""
         self.prefix = prefix
         self.delays = delays
+        self.lenient = lenient
         self.decisions: list[Decision] = []
 
     def choose(self, candidates: list[SimTask]) -> SimTask:
@@ -57,16 +60,30 @@ class DfsStrategy(Strategy):
         order = ([running] if running is not None else []) + sorted(
             (t for t in candidates if t is not running), key=lambda t: t.tid
         )
-        depth = len(self.decisions)
-        index = self.prefix[depth] if depth < len(self.prefix) else 0
-        if index >= len(order):
-            raise RuntimeError(
-                f"dfs: decision {depth} has {len(order)} candidates where an earlier run of the same "
-                "schedule had more: the world is not deterministic"
-            )
+        index = self.index(order)
         before = self.decisions[-1].delays_with(self.decisions[-1].chosen) if self.decisions else 0
         self.decisions.append(Decision(tuple(t.tid for t in order), index, before))
         return order[index]
+
+    def index(self, order: list[SimTask]) -> int:
+        """Which of ``order`` (the default first) this decision takes."""
+        depth = len(self.decisions)
+        index = self.prefix[depth] if depth < len(self.prefix) else 0
+        if index < len(order):
+            return index
+        if self.lenient:
+            return 0
+        raise RuntimeError(
+            f"dfs: decision {depth} has {len(order)} candidates where an earlier run of the same "
+            "schedule had more: the world is not deterministic"
+        )
+
+    def taken(self) -> list[int]:
+        """The execution as a prefix: every decision's index, trailing defaults dropped."""
+        taken = [d.chosen for d in self.decisions]
+        while taken and taken[-1] == 0:
+            taken.pop()
+        return taken
 
     def describe(self) -> dict[str, object]:
         return {"strategy": self.name, "delays": self.delays, "prefix": self.prefix}

@@ -1,0 +1,172 @@
+"""``omnisim mutate``: the operators make the slips they name, ids are stable, and a campaign
+kills what the scenarios guard and lists what they do not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnisim import mutation
+from omnisim.mutation.campaign import load_equivalents
+from omnisim.mutation.operators import OPERATORS, find_mutations
+from runtime.connectors.namespaces import NAME, ProcTable, ShmDirectory, owner_state
+
+REPO = Path(__file__).resolve().parent.parent
+GUARDED = ["runtime/connectors", "runtime/transfer"]
+
+DEMO = '''\
+"""A module with one site for every operator."""
+
+LIMIT = 3
+
+
+class Demo:
+    size: int = 4
+
+    def __repr__(self) -> str:
+        return "never mutated"
+
+    async def step(self, a, b):
+        """Not mutated either."""
+        log.debug("an observation")
+        k.note("trace.point", a=a)
+        local = a
+        self.count += 1
+        if a < b and not self.closed:
+            self.remove(a, b)
+        async with self._lock:
+            return local == 0o600
+'''
+
+
+def _demo(tmp_path: Path, text: str = DEMO) -> list[mutation.Mutation]:
+    path = tmp_path / "runtime" / "demo.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return find_mutations(path, tmp_path)
+
+
+def test_each_operator_makes_the_slip_it_names(tmp_path: Path) -> None:
+    made = {(m.operator, " ".join(m.original.split()), m.replacement) for m in _demo(tmp_path)}
+    assert made == {
+        ("delete-statement", "self.count += 1", "pass"),
+        ("delete-statement", "self.remove(a, b)", "pass"),
+        ("constant", "1", "2"),
+        ("constant", "0o600", "0o601"),
+        ("constant", "4", "5"),  # a class attribute's default
+        ("negate-compare", "a < b", "a >= b"),
+        ("boundary", "a < b", "a <= b"),
+        ("negate-compare", "local == 0o600", "local != 0o600"),
+        ("drop-not", "not self.closed", "(self.closed)"),
+        ("and-or", "a < b and not self.closed", "(a < b) or (not self.closed)"),
+        ("swap-args", "a, b", "b, a"),
+        ("remove-lock", "async with self._lock", "if True"),
+    }
+    assert {op for op, _, _ in made} == set(OPERATORS)
+
+
+def test_every_mutant_of_the_guarded_packages_compiles_and_has_its_own_id() -> None:
+    found = mutation.find(GUARDED)
+    assert len(found) > 500
+    assert len({m.id for m in found}) == len(found)
+    for m in found:
+        compile(m.apply(Path(m.path).read_bytes()), m.path, "exec")
+    assert {m.operator for m in found} == set(OPERATORS)
+
+
+def test_an_id_names_the_same_slip_when_other_lines_move(tmp_path: Path) -> None:
+    before = {m.id: m.describe() for m in _demo(tmp_path)}
+    after = {m.id: m.describe() for m in _demo(tmp_path, "import os\n\n\n" + DEMO)}
+    assert before == after
+
+
+def test_a_survivor_prints_as_a_one_hunk_diff(tmp_path: Path) -> None:
+    m = next(m for m in _demo(tmp_path) if m.operator == "remove-lock")
+    diff = m.diff()
+    assert diff.count("@@ ") == 1
+    assert "-        async with self._lock:\n+        if True:\n" in diff
+
+
+def test_every_reviewed_equivalent_still_exists() -> None:
+    """A review of a survivor holds for that exact slip: once the code moves on, it is stale."""
+    ids = {m.id for m in mutation.find(GUARDED)}
+    stale = sorted(set(load_equivalents()) - ids)
+    assert not stale, f"equivalents.toml names mutants that no longer exist: {stale}"
+
+
+def _omnisim(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omnisim.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def _shm_names() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("omnisim-")}
+
+
+def _left_behind(before: set[str]) -> list[str]:
+    """Names new since ``before`` that no live process owns (another run's live names are not ours)."""
+    directory, processes = ShmDirectory(), ProcTable()
+    left = []
+    for name in sorted(_shm_names() - before):
+        match = NAME.fullmatch(name)
+        owner = directory.read_owner(match.group(1)) if match else None
+        if owner is None or owner_state(owner, processes) != "alive":
+            left.append(name)
+    return left
+
+
+def test_a_campaign_kills_what_the_scenarios_guard_and_lists_what_they_do_not(tmp_path: Path) -> None:
+    # A release that never reclaims the released generation's keys.
+    killed = _one("runtime/transfer/adapter.py", "ChunkTransferAdapter._run_release_task", "cleanup_prefix")
+    # Key validation: no scenario feeds the runtime a bad key, so nothing can notice its loss.
+    survivor = _one("runtime/connectors/keys.py", "validate_key", "raise")
+    before = _shm_names()
+    proc = _omnisim(
+        "mutate",
+        "runtime/transfer/adapter.py",
+        "runtime/connectors/keys.py",
+        "--id",
+        killed.id,
+        "--id",
+        survivor.id,
+        "--scenario",
+        "abort_during_put",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
+    assert proc.returncode == 1, proc.stderr  # a survivor is a blind spot
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcomes = {o["id"]: o for o in report["outcomes"]}
+    assert outcomes[killed.id]["outcome"] == "killed", outcomes[killed.id]
+    assert outcomes[killed.id]["plan"].startswith("abort_during_put/")
+    assert outcomes[killed.id]["detail"]  # the invariants that fired
+    assert outcomes[survivor.id]["outcome"] == "survived"
+    assert (tmp_path / "survivors.diff").read_text().count(f"mutant {survivor.id}") == 1
+    assert not _left_behind(before)
+
+
+def _one(path: str, where: str, deleted: str) -> mutation.Mutation:
+    """The deletion of the first statement of ``where`` that mentions ``deleted``."""
+    return next(m for m in mutation.find([path], ["delete-statement"]) if m.where == where and deleted in m.original)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["omnisim/cli.py"], "not part of the runtime"),
+        (["runtime/nowhere"], "no such file"),
+        (["runtime/connectors/keys.py", "--operator", "flip"], "unknown operator"),
+        (["runtime/connectors/keys.py", "--id", "00000000"], "no mutant"),
+    ],
+)
+def test_a_bad_target_is_a_usage_error(args: list[str], message: str) -> None:
+    proc = _omnisim("mutate", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
