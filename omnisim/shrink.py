@@ -87,10 +87,10 @@ def _smaller(prefix: list[int]) -> list[list[int]]:
     out = [[], prefix[: len(prefix) // 2]]  # no deviation at all; only the first half's
     positions = [i for i, index in enumerate(prefix) if index]
     for i in reversed(positions):
-        out.append([*prefix[:i], 0, *prefix[i + 1:]])  # drop a deviation
+        out.append([*prefix[:i], 0, *prefix[i + 1 :]])  # drop a deviation
     for i in reversed(positions):
         if prefix[i] > 1:
-            out.append([*prefix[:i], 1, *prefix[i + 1:]])  # an earlier candidate
+            out.append([*prefix[:i], 1, *prefix[i + 1 :]])  # an earlier candidate
     for i in reversed(positions):
         out.append(prefix[:i] + prefix[i + 1 :])  # later decisions move up one
     return out
