@@ -84,6 +84,23 @@ def _whole_number(text: str, *, least: int) -> int:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, like 1,4,10, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be at least 1, got {text!r}")
+    return values
+
+
+def _port(text: str) -> int:
+    port = _whole_number(text, least=0)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {port}")
+    return port
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -414,10 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "what",
-        choices=("schedules", "pipeline", "connector", "reuse", "all"),
+        choices=("schedules", "pipeline", "connector", "reuse", "serve", "all"),
         nargs="?",
         default="all",
-        help="which benchmark (default: %(default)s)",
+        help="which benchmark (default: %(default)s; `serve` needs a running `omnisim serve` and is not in `all`)",
     )
     _add_json(sp)
     sp.add_argument("--seconds", type=positive_float, default=3.0, help="time per scenario for `schedules`")
@@ -437,7 +454,41 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the upstream timing script (default: shared/bench/upstream_shm.py next to or inside this checkout)",
     )
+    sp.add_argument("--url", default="http://127.0.0.1:8000", help="`serve`: the server (default: %(default)s)")
+    sp.add_argument(
+        "--concurrencies", type=_int_list, default=[1, 4, 10], help="`serve`: requests at a time (default: 1,4,10)"
+    )
+    sp.add_argument("--prompts", type=positive_int, help="`serve`: requests per concurrency (default: twice it)")
+    sp.add_argument("--timeout", type=positive_float, default=300.0, help="`serve`: seconds per request")
     sp.set_defaults(func=cmd_bench, needs_registry=True, plugin=[])
+
+    sp = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible server (chat completions with audio, speech over SSE and WebSocket)",
+        description="Serve the pipeline over HTTP with vLLM-Omni's serving contract: POST /v1/chat/completions, "
+        "POST /v1/audio/speech (SSE or raw streaming, word timestamps), WS /v1/audio/speech/stream, GET /v1/models, "
+        "/health, /metrics, and a page at / that speaks what you type. Ctrl-C stops it gracefully.",
+        epilog=_examples(
+            "omnisim serve",
+            "omnisim serve --port 8001 --processes",
+            'curl -N localhost:8000/v1/audio/speech -d \'{"input": "hello", "stream": true}\'',
+        ),
+    )
+    sp.add_argument("--pipeline", default="qwen3_omni", help="a shipped pipeline or a YAML path (default: %(default)s)")
+    sp.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    sp.add_argument("--port", type=_port, default=8000, help="the port; 0 picks a free one (default: %(default)s)")
+    sp.add_argument("--served-model-name", help="the model name clients use (default: the pipeline's name)")
+    sp.add_argument(
+        "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
+    )
+    sp.add_argument("--store", choices=STORES, default="posix", help="where segments live (default: %(default)s)")
+    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
+    sp.add_argument(
+        "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
+    )
+    sp.add_argument("--ready-timeout", type=positive_float, default=120.0, help="seconds to wait for the stages")
+    sp.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    sp.set_defaults(func=cmd_serve, needs_registry=False, plugin=[])
 
     sp = sub.add_parser(
         "sweep",
@@ -1000,7 +1051,25 @@ def cmd_trace_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.processes and args.store != "posix":
+        raise UsageError("--processes needs --store posix: stage processes share /dev/shm")
+    from omnisim.serve import serve
+
+    return serve(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "serve":
+        from omnisim import bench_serve
+
+        report = bench_serve.run(args.url.rstrip("/"), args.concurrencies, args.prompts, args.timeout)
+        if args.json:
+            print(json.dumps(report, sort_keys=True))
+        else:
+            bench_serve.print_table(report)
+        counts = all(level["sample_counts_match"] for level in report["levels"])
+        return EXIT_OK if counts and all(report["identical"].values()) else EXIT_VIOLATION
     from omnisim import bench
 
     payload = bench.main(args)

@@ -53,6 +53,25 @@ def _remove(name: str) -> None:
             os.unlink(path)
 
 
+def left_behind(before: set[str]) -> list[str]:
+    """``omnisim-`` names in /dev/shm new since ``before`` that no live process owns: what some
+    process (a server, a mutant's child) failed to remove. Another run's live names are not ours."""
+    from runtime.connectors.namespaces import NAME, ProcTable, ShmDirectory, owner_state
+
+    directory, processes = ShmDirectory(), ProcTable()
+    left = []
+    for name in sorted(shm_names() - before):
+        match = NAME.fullmatch(name)
+        owner = directory.read_owner(match.group(1)) if match else None
+        if owner is None or owner_state(owner, processes) != "alive":
+            left.append(name)
+    return left
+
+
+def shm_names() -> set[str]:
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("omnisim-")}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="also run the long campaigns (marked `long`)")
 

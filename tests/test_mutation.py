@@ -4,17 +4,16 @@ kills what the scenarios guard and lists what they do not."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import left_behind, shm_names
 
 from omnisim import mutation
 from omnisim.mutation.campaign import load_equivalents
 from omnisim.mutation.operators import OPERATORS, find_mutations
-from runtime.connectors.namespaces import NAME, ProcTable, ShmDirectory, owner_state
 
 REPO = Path(__file__).resolve().parent.parent
 GUARDED = ["runtime/connectors", "runtime/transfer"]
@@ -105,28 +104,12 @@ def _omnisim(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _shm_names() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("omnisim-")}
-
-
-def _left_behind(before: set[str]) -> list[str]:
-    """Names new since ``before`` that no live process owns (another run's live names are not ours)."""
-    directory, processes = ShmDirectory(), ProcTable()
-    left = []
-    for name in sorted(_shm_names() - before):
-        match = NAME.fullmatch(name)
-        owner = directory.read_owner(match.group(1)) if match else None
-        if owner is None or owner_state(owner, processes) != "alive":
-            left.append(name)
-    return left
-
-
 def test_a_campaign_kills_what_the_scenarios_guard_and_lists_what_they_do_not(tmp_path: Path) -> None:
     # A release that never reclaims the released generation's keys.
     killed = _one("runtime/transfer/adapter.py", "ChunkTransferAdapter._run_release_task", "cleanup_prefix")
     # Key validation: no scenario feeds the runtime a bad key, so nothing can notice its loss.
     survivor = _one("runtime/connectors/keys.py", "validate_key", "raise")
-    before = _shm_names()
+    before = shm_names()
     proc = _omnisim(
         "mutate",
         "runtime/transfer/adapter.py",
@@ -149,7 +132,7 @@ def test_a_campaign_kills_what_the_scenarios_guard_and_lists_what_they_do_not(tm
     assert outcomes[killed.id]["detail"]  # the invariants that fired
     assert outcomes[survivor.id]["outcome"] == "survived"
     assert (tmp_path / "survivors.diff").read_text().count(f"mutant {survivor.id}") == 1
-    assert not _left_behind(before)
+    assert not left_behind(before)
 
 
 def _one(path: str, where: str, deleted: str) -> mutation.Mutation:

@@ -65,9 +65,14 @@ class Baseline:
     failing: dict[Plan, list[str]] = field(default_factory=dict)
 
     def covering(self, m: Mutation) -> list[Plan]:
-        """The plans that execute a line of ``m``, cheapest first."""
+        """The plans that execute a line of ``m``, cheapest first. What runs at import (coverage
+        starts after it) counts as executed by every plan that uses the module."""
         span = set(range(m.line, m.end_line + 1))
-        plans = [p for p, files in self.lines.items() if span & files.get(m.path, set())]
+        plans = [
+            p
+            for p, files in self.lines.items()
+            if (files.get(m.path) if m.at_import else span & files.get(m.path, set()))
+        ]
         return sorted(plans, key=lambda p: (self.seconds[p], str(p)))
 
 

@@ -74,6 +74,8 @@ class Mutation:
     end: int
     original: str
     replacement: str
+    #: It sits in code that runs when the module is imported (a class body: a dataclass default).
+    at_import: bool
     #: A stable name: the same slip in the same function keeps its id when other lines move.
     id: str
 
@@ -275,7 +277,20 @@ class _Finder(ast.NodeVisitor):
         digest = hashlib.sha1(repr((self.module, *key, nth)).encode()).hexdigest()[:8]
         line, end_line = anchor.lineno, anchor.end_lineno  # type: ignore[attr-defined]
         self.found.append(
-            Mutation(self.path, self.module, where, line, end_line, operator, start, end, original, replacement, digest)
+            Mutation(
+                self.path,
+                self.module,
+                where,
+                line,
+                end_line,
+                operator,
+                start,
+                end,
+                original,
+                replacement,
+                not self.functions,
+                digest,
+            )
         )
 
 

@@ -1,0 +1,117 @@
+"""``omnisim serve``: the OpenAI-compatible server over one engine, on one trio loop.
+
+Hypercorn's trio worker serves the ASGI application (:mod:`runtime.serving.http`) in the same
+loop as the engine, so requests and stages meet through the kernel seam with no thread or queue
+between them. Ctrl-C or SIGTERM stops it gracefully: the listener closes, requests in flight end
+with an error terminal, the stages stop, and the store is swept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from omnisim.base import CommandFailed, UsageError
+
+EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, made here so that port 0 picks a free port the banner can name."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from omnisim.pipeline_cli import reclaim_dead_namespaces
+    from omnisim.world import make_store
+    from runtime.config.pipeline import load_pipeline
+    from runtime.connectors.stores import StoreError
+    from runtime.pipeline import Models, build_engine
+    from runtime.real_kernel import run
+    from runtime.serving.http import Server
+
+    started = time.perf_counter()
+    sock = listen(args.host, args.port)
+    config = load_pipeline(args.pipeline)
+    if args.async_chunk == "off":
+        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
+    if args.store == "posix":
+        reclaim_dead_namespaces()
+    try:
+        store = make_store(args.store)
+    except StoreError as e:
+        raise CommandFailed(f"cannot use /dev/shm: {e}") from None
+    engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
+    server = Server(engine, store, model_name=args.served_model_name or config.name)
+    hypercorn = Config()
+    host, port = sock.getsockname()[:2]
+    hypercorn.bind = [f"fd://{sock.detach()}"]  # hypercorn's from here on: it closes it
+    hypercorn.accesslog = "-" if args.access_log else None
+    hypercorn.errorlog = "-" if args.access_log else None  # the banner says where it listens
+    hypercorn.graceful_timeout = 5.0
+    received: list[int] = []
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            stop = trio.Event()
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    received.append(signum)
+                    stop.set()
+                    return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal)
+                nursery.start_soon(engine.run)
+                with trio.move_on_after(args.ready_timeout) as waiting:
+                    await engine.wait_ready(args.ready_timeout)
+                if waiting.cancelled_caught:
+                    raise CommandFailed(f"the stages were not up after {args.ready_timeout:g} s")
+                where = "as processes" if engine_in_processes(engine) else "in process"
+                print(
+                    f"serving {server.model_name} on http://{host}:{port} (stages {where}, "
+                    f"ready in {time.perf_counter() - started:.2f} s); Ctrl-C stops",
+                    flush=True,
+                )
+                await hypercorn_serve(server.app(), hypercorn, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+                engine.shutdown()
+                nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+
+    try:
+        run(main, compute_in_threads=True)
+    finally:
+        store.sweep()
+    if received:
+        print(f"stopped by {signal.Signals(received[0]).name}", file=sys.stderr)
+        return EXIT_BY_SIGNAL[signal.Signals(received[0])]
+    return 0
+
+
+def engine_in_processes(engine: Any) -> bool:
+    from runtime.process_stage import ProcessStage
+
+    return any(isinstance(stage, ProcessStage) for stage in engine.stages.values())

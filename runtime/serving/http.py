@@ -1,0 +1,497 @@
+"""The OpenAI-compatible server: an ASGI application (Starlette) over one engine, with
+upstream vLLM-Omni's endpoints, field names and events.
+
+Every request goes through :func:`runtime.client.generate`, the client API the pipeline
+scenarios explore under the simulator, so the serving rules (#7544: DELTA or CUMULATIVE, the
+``emitted_samples`` trim, the HTTP streaming + timestamps rejection) are the ones verified there.
+This module is the HTTP layer only: parsing, encoding, streaming, and noticing a client that went
+away, which aborts its request at once (a cancelled stream closes ``generate``, whose ``finally``
+is the abort). The HTTP layer itself is not simulated; it waits on the network through Starlette
+and anyio, as any ASGI application does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from runtime import serving
+from runtime.client import ClientOutput, generate
+from runtime.config.topology import OutputType
+from runtime.connectors.stores import Store
+from runtime.kernel import current_kernel
+from runtime.models.aligner import WordTimestamp
+from runtime.models.code2wav import SAMPLE_RATE
+from runtime.orchestrator import ABORTED, Orchestrator
+from runtime.serving.audio import encode, pcm16, wav_header
+from runtime.serving.metrics import Playback, ServingMetrics
+from runtime.serving.requests import ApiError, SessionConfig, parse_chat, parse_session_config, parse_speech
+
+#: The largest request body read (a 20,000-character input is well under it).
+MAX_BODY_BYTES = 1 << 20
+#: Upstream's cap on the ``X-Word-Timestamps`` header; past it the header is omitted.
+WORD_TIMESTAMPS_HEADER_CAP = 4096
+#: How long a chat completion's audio stays fetchable, as OpenAI announces it (``expires_at``).
+AUDIO_EXPIRES_S = 24 * 3600
+PAGE = Path(__file__).with_name("static") / "index.html"
+
+
+class Server:
+    """The endpoints of one engine, served under ``model_name``."""
+
+    def __init__(self, engine: Orchestrator, store: Store, *, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = ServingMetrics(engine, store)
+        self.created = int(_wall_clock())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/", self.page),
+            Route("/v1/models", self.models),
+            Route("/health", self.health),
+            Route("/metrics", self.prometheus),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/audio/speech", self.speech, methods=["POST"]),
+            WebSocketRoute("/v1/audio/speech/stream", self.speech_stream),
+        ]
+        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    # -- plain endpoints ----------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(PAGE.read_text())
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "omnisim"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        stages = self.engine.health()
+        failing = [name for name, h in stages.items() if not h.get("alive")]
+        status = 503 if failing else 200
+        body = {"status": "unhealthy" if failing else "ok", "failing": failing, "stages": stages}
+        return JSONResponse(body, status_code=status)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    # -- chat completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        chat = self._accept("chat", parse_chat, await _json_body(request))
+        self._check_model(chat.model)
+        rid = _request_id("chatcmpl")
+        outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
+        if chat.stream:
+            return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs))
+        text, audio, _, error = await _collect(outputs)
+        if error is not None:
+            raise ApiError(f"the request failed: {error}", status=500)
+        choices: list[dict[str, Any]] = []
+        if "text" in chat.modalities:
+            message = {"role": "assistant", "content": text}
+            choices.append({"index": len(choices), "message": message, "finish_reason": "stop"})
+        if "audio" in chat.modalities:
+            clip = {
+                "id": f"audio-{rid}",
+                "data": base64.b64encode(encode(audio, _wire_format(chat.audio_format), SAMPLE_RATE)).decode(),
+                "expires_at": int(_wall_clock()) + AUDIO_EXPIRES_S,
+                "transcript": "",
+            }
+            message = {"role": "assistant", "content": None, "audio": clip}
+            choices.append({"index": len(choices), "message": message, "finish_reason": "stop"})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(_wall_clock()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(chat.text, text),
+            }
+        )
+
+    async def _chat_chunks(
+        self, rid: str, prompt: str, audio_format: str, include_usage: bool, outputs: AsyncIterator[ClientOutput]
+    ) -> AsyncIterator[dict[str, Any]]:
+        created = int(_wall_clock())
+
+        def chunk(modality: str | None, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
+            body |= {"model": self.model_name, "modality": modality}
+            return body | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        said: list[str] = []
+        error: str | None = None
+        async with aclosing(outputs) as stream:
+            async for out in stream:
+                if out.finished:
+                    error = out.error
+                elif out.kind is OutputType.TEXT:
+                    said.append(out.data)
+                    yield chunk("text", {"role": "assistant", "content": out.data})
+                elif out.kind is OutputType.AUDIO:
+                    data = base64.b64encode(encode(out.data, _wire_format(audio_format), SAMPLE_RATE)).decode()
+                    yield chunk("audio", {"role": "assistant", "content": data})
+        if error is not None:
+            yield {"error": ApiError(f"the request failed: {error}", status=500).body()["error"]}
+            return
+        yield chunk(None, {}, "stop")
+        if include_usage:
+            yield {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": _usage(prompt, "".join(said)),
+            }
+
+    # -- speech -------------------------------------------------------------------------------
+
+    async def speech(self, request: Request) -> Response:
+        speech = self._accept("speech", parse_speech, await _json_body(request))
+        self._check_model(speech.model)
+        try:
+            serving.check_http_speech_request(
+                stream=speech.stream,
+                word_timestamps=speech.word_timestamps,
+                has_aligner=self.engine.aligner is not None,
+            )
+        except serving.RequestRejected as e:
+            self.metrics.rejected.labels(endpoint="speech").inc()
+            raise ApiError(str(e), param="word_timestamps") from None
+        rid = _request_id("speech")
+        outputs = self._outputs(
+            speech.text, ("audio",), stream=speech.stream, word_timestamps=speech.word_timestamps, rid=rid
+        )
+        if speech.stream_format == "sse":
+            return _sse(_speech_events(speech.text, outputs), named=True)
+        if speech.stream_format == "audio":
+            media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
+            return StreamingResponse(_raw_audio(speech.response_format, outputs), media_type=media)
+        _, audio, stamps, error = await _collect(outputs)
+        if error is not None:
+            raise ApiError(f"the request failed: {error}", status=500)
+        if speech.speed != 1.0:
+            # Played faster or slower like tape: the same samples over a shorter or longer time.
+            audio = serving.resample(audio, round(speech.speed * 1000), 1000)
+            stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in stamps]
+        headers = _usage_headers(speech.text, audio)
+        if speech.word_timestamps:
+            value = json.dumps([t._asdict() for t in stamps], separators=(",", ":"))
+            if len(value) <= WORD_TIMESTAMPS_HEADER_CAP:
+                headers["X-Word-Timestamps"] = value
+            else:
+                headers["X-Word-Timestamps-Omitted"] = f"{len(value)} bytes is over the {WORD_TIMESTAMPS_HEADER_CAP}"
+        media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
+        return Response(encode(audio, speech.response_format, SAMPLE_RATE), media_type=media, headers=headers)
+
+    # -- the WebSocket --------------------------------------------------------------------------
+
+    async def speech_stream(self, ws: WebSocket) -> None:
+        """``session.config`` (sticky), ``input.text`` (buffered), ``input.done`` (speak the
+        buffer, keep the connection), ``session.close``. A client that goes away mid-utterance
+        aborts it at once: a watcher receives while the utterance is spoken."""
+        await ws.accept()
+        config = SessionConfig()
+        buffered: list[str] = []
+        utterance = 0
+        try:
+            while True:
+                message = await _next_message(ws)
+                if message is None:
+                    return
+                kind = message.get("type")
+                try:
+                    if kind == "session.config":
+                        if buffered:
+                            raise ApiError("session.config while text is buffered: send input.done first")
+                        config = parse_session_config(message)
+                    elif kind == "input.text":
+                        if not isinstance(message.get("text"), str):
+                            raise ApiError("input.text needs a 'text' string", param="text")
+                        buffered.append(message["text"])
+                    elif kind == "input.done":
+                        text, buffered = "".join(buffered), []
+                        if not await self._speak(ws, config, text, utterance):
+                            return
+                        utterance += 1
+                    elif kind == "session.close":
+                        await ws.close()
+                        return
+                    else:
+                        raise ApiError(f"unknown message type {kind!r}", param="type")
+                except ApiError as e:
+                    await ws.send_json({"type": "error", "message": str(e)})
+        except WebSocketDisconnect:
+            return
+
+    async def _speak(self, ws: WebSocket, config: SessionConfig, text: str, utterance: int) -> bool:
+        """One utterance; False if the client went away meanwhile (its request is aborted)."""
+        if not text.strip():
+            await ws.send_json({"type": "session.done", "utterance_index": utterance, "total_sentences": 0})
+            return True
+        try:
+            serving.check_input_text(text)
+        except serving.RequestRejected as e:
+            raise ApiError(str(e), param="text") from None
+        where = {"utterance_index": utterance, "sentence_index": 0}
+        await ws.send_json(
+            {"type": "audio.start", **where, "sentence_text": text, "format": "pcm", "sample_rate": SAMPLE_RATE}
+        )
+        sent = 0
+        held: list[bytes] = []
+        stamps: list[WordTimestamp] = []
+        error: str | None = None
+        gone = False
+        outputs = self._outputs(
+            text, ("audio",), stream=True, word_timestamps=config.word_timestamps, rid=_request_id("ws")
+        )
+        async with anyio.create_task_group() as watch:
+
+            async def watch_for_departure() -> None:
+                nonlocal gone
+                message = await _next_message(ws)
+                gone = True  # anything but silence mid-utterance ends it: a disconnect or a close
+                if message is not None and message.get("type") != "session.close":
+                    await ws.send_json({"type": "error", "message": "wait for session.done before sending more"})
+                watch.cancel_scope.cancel()
+
+            watch.start_soon(watch_for_departure)
+            async with aclosing(outputs) as stream:
+                async for out in stream:
+                    if out.finished:
+                        error = out.error
+                    elif out.kind is OutputType.TIMESTAMPS:
+                        stamps = out.data
+                    elif out.kind is OutputType.AUDIO:
+                        data = pcm16(out.data)
+                        sent += len(data)
+                        if config.word_timestamps:
+                            chunk = {"type": "audio.chunk", **where, "audio_b64": base64.b64encode(data).decode()}
+                            await ws.send_json(chunk | {"timestamps": None})
+                        elif config.stream_audio:
+                            await ws.send_bytes(data)
+                        else:
+                            held.append(data)
+            watch.cancel_scope.cancel()
+        if gone:
+            return False
+        if held:
+            await ws.send_bytes(b"".join(held))
+        if config.word_timestamps:
+            final = [t._asdict() for t in stamps]
+            await ws.send_json({"type": "audio.chunk", **where, "audio_b64": "", "timestamps": final})
+        done = {"type": "audio.done", **where, "total_bytes": sent, "error": error is not None}
+        await ws.send_json(done | ({"message": error} if error else {}))
+        await ws.send_json({"type": "session.done", "utterance_index": utterance, "total_sentences": 1})
+        return True
+
+    # -- shared -------------------------------------------------------------------------------
+
+    def _accept(self, endpoint: str, parse: Any, body: object) -> Any:
+        try:
+            parsed = parse(body)
+        except ApiError:
+            self.metrics.rejected.labels(endpoint=endpoint).inc()
+            raise
+        self.metrics.requests.labels(endpoint=endpoint).inc()
+        return parsed
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _outputs(
+        self, text: str, modalities: tuple[str, ...], *, stream: bool, word_timestamps: bool, rid: str
+    ) -> AsyncIterator[ClientOutput]:
+        """``generate``, measured: how its audio would play, and whether it ran to its end."""
+        k = current_kernel()
+        playback = Playback(k.now())
+        ended = False
+        try:
+            async with aclosing(
+                generate(self.engine, text, modalities, stream=stream, word_timestamps=word_timestamps, request_id=rid)
+            ) as stream_:
+                async for out in stream_:
+                    if out.kind is OutputType.AUDIO and out.data is not None:
+                        playback.packet(k.now(), out.data.numel() / SAMPLE_RATE)
+                    if out.finished:
+                        ended = out.error != ABORTED
+                    yield out
+        finally:
+            if ended:
+                self.metrics.finished(playback, k.now())
+            else:
+                self.metrics.aborts.inc()
+
+
+async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[dict[str, Any]]:
+    """``speech.audio.delta`` events (PCM, base64), then ``speech.audio.done`` with usage, or
+    ``speech.audio.error``."""
+    chunks = 0
+    error: str | None = None
+    async with aclosing(outputs) as stream:
+        async for out in stream:
+            if out.finished:
+                error = out.error
+            elif out.kind is OutputType.AUDIO:
+                chunks += 1
+                audio = base64.b64encode(pcm16(out.data)).decode()
+                yield {"type": "speech.audio.delta", "audio": audio, "response_format": "pcm"}
+    if error is not None:
+        failure = {"message": f"the request failed: {error}", "type": "server_error", "param": None, "code": 500}
+        yield {"type": "speech.audio.error", "error": failure}
+    else:
+        yield {"type": "speech.audio.done", "usage": _speech_usage(prompt, chunks)}
+
+
+async def _raw_audio(fmt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[bytes]:
+    if fmt == "wav":
+        yield wav_header(SAMPLE_RATE, None)
+    async with aclosing(outputs) as stream:
+        async for out in stream:
+            if out.kind is OutputType.AUDIO and not out.finished:
+                yield pcm16(out.data)
+
+
+async def _collect(
+    outputs: AsyncIterator[ClientOutput],
+) -> tuple[str, Any, list[WordTimestamp], str | None]:
+    import torch
+
+    text, audio, stamps, error = "", torch.empty(0), [], None
+    async with aclosing(outputs) as stream:
+        async for out in stream:
+            if out.finished:
+                error = out.error
+            elif out.kind is OutputType.TEXT:
+                text = out.data
+            elif out.kind is OutputType.AUDIO:
+                audio = out.data
+            elif out.kind is OutputType.TIMESTAMPS:
+                stamps = out.data
+    return text, audio, stamps, error
+
+
+def _sse(events: AsyncIterator[dict[str, Any]], *, named: bool = False) -> Response:
+    """Server-sent events: ``data: {json}`` lines; ``named`` adds an ``event:`` line with each
+    event's type (the speech events); chat chunks end with ``data: [DONE]``."""
+
+    async def body() -> AsyncIterator[str]:
+        async with aclosing(events) as stream:
+            async for event in stream:
+                head = f"event: {event['type']}\n" if named else ""
+                yield f"{head}data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _next_message(ws: WebSocket) -> dict[str, Any] | None:
+    """The next JSON message; None when the client disconnected. A message that is not a JSON
+    object is answered with an error event and skipped."""
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return None
+        try:
+            parsed = json.loads(message["text"]) if message.get("text") is not None else None
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed
+        await ws.send_json({"type": "error", "message": "every client message must be a JSON object"})
+
+
+async def _json_body(request: Request) -> object:
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+
+def _wire_format(audio_format: str) -> str:
+    return "pcm" if audio_format == "pcm16" else audio_format
+
+
+def _request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:16]}"
+
+
+def _wall_clock() -> float:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).timestamp()
+
+
+def _usage(prompt: str, answer: str) -> dict[str, int]:
+    """Token counts of the toy pipeline, whose tokens are UTF-8 bytes."""
+    prompt_tokens, completion_tokens = len(prompt.encode()), len(answer.encode())
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _speech_usage(prompt: str, output_tokens: int) -> dict[str, Any]:
+    text_tokens = len(prompt.encode())
+    return {
+        "input_tokens": text_tokens,
+        "output_tokens": output_tokens,
+        "total_tokens": text_tokens + output_tokens,
+        "input_token_details": {"text_tokens": text_tokens, "audio_tokens": 0},
+    }
+
+
+def _usage_headers(prompt: str, audio: Any) -> dict[str, str]:
+    usage = _speech_usage(prompt, audio.numel())
+    return {
+        "x-vllm-omni-input-tokens": str(usage["input_tokens"]),
+        "x-vllm-omni-output-tokens": str(usage["output_tokens"]),
+        "x-vllm-omni-total-tokens": str(usage["total_tokens"]),
+        "x-vllm-omni-input-text-tokens": str(usage["input_tokens"]),
+        "x-vllm-omni-input-audio-tokens": "0",
+    }
+
+
+async def _api_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, ApiError)
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)
+    return JSONResponse(ApiError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+
+async def _server_error(request: Request, e: Exception) -> Response:
+    return JSONResponse(ApiError(f"internal error: {type(e).__name__}", status=500).body(), status_code=500)

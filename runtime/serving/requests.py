@@ -1,0 +1,252 @@
+"""What a client may send, checked field by field before anything runs: the bodies of
+``/v1/chat/completions``, ``/v1/audio/speech`` and the WebSocket ``session.config``, with
+upstream vLLM-Omni's field names. A bad body is an :class:`ApiError` carrying OpenAI's error
+shape and a 4xx status, never a 500 and never a half-started request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.serving import RequestRejected, check_input_text
+
+
+class ApiError(Exception):
+    """A request the server refuses: ``status`` and OpenAI's ``{"error": {…}}`` body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+#: The chat completions fields OpenAI clients send that this pipeline has no use for: accepted
+#: (a client setting ``temperature`` must not fail), and without effect.
+_CHAT_IGNORED = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "user",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "reasoning_effort",
+    }
+)
+CHAT_AUDIO_FORMATS = ("wav", "pcm16")
+SPEECH_FORMATS = ("wav", "pcm")
+#: Formats upstream serves that this build does not encode: a clear 400, not a surprise.
+_UNENCODED = ("mp3", "flac", "opus", "aac")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    text: str
+    modalities: tuple[str, ...]
+    audio_format: str
+    stream: bool
+    include_usage: bool
+    model: str | None
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    text: str
+    voice: str
+    response_format: str
+    speed: float
+    stream: bool
+    #: "sse" (``speech.audio.*`` events) or "audio" (raw bytes as they are decoded).
+    stream_format: str | None
+    word_timestamps: bool
+    model: str | None
+    extensions: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, not {_type(body)}")
+    return body
+
+
+def _type(value: object) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _field(body: Mapping[str, Any], name: str, check: Callable[[Any], bool], want: str, default: Any) -> Any:
+    value = body.get(name, default)
+    if name in body and not check(value):
+        raise ApiError(f"'{name}' must be {want}, got {_type(value)}", param=name)
+    return value
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _no_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(f"unknown field '{unknown[0]}'", param=unknown[0])
+
+
+def _text(text: object, param: str) -> str:
+    try:
+        return check_input_text(text)
+    except RequestRejected as e:
+        raise ApiError(str(e), param=param) from None
+
+
+def _message_text(message: object, i: int) -> str | None:
+    """The text of a user message (a string, or the ``text`` parts of a content list)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+    if message["role"] != "user":
+        return None
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ApiError(f"messages[{i}].content parts must be objects with a 'type'", param=f"messages[{i}]")
+            if part["type"] != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(f"messages[{i}]: only text content is understood here", param=f"messages[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}]")
+
+
+def parse_chat(raw: object) -> ChatRequest:
+    body = _object(raw)
+    _no_unknown(
+        body,
+        frozenset({"model", "messages", "modalities", "audio", "stream", "stream_options", "n"}) | _CHAT_IGNORED,
+    )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty array", param="messages")
+    said = [t for i, m in enumerate(messages) if (t := _message_text(m, i)) is not None]
+    if not said:
+        raise ApiError("'messages' has no user message to answer", param="messages")
+    modalities = _field(body, "modalities", lambda v: isinstance(v, list), "an array", ["text", "audio"])
+    if not modalities or not all(m in ("text", "audio") for m in modalities) or len(set(modalities)) != len(modalities):
+        raise ApiError(f"'modalities' must be some of ['text', 'audio'], got {modalities!r}", param="modalities")
+    audio = _field(body, "audio", lambda v: isinstance(v, dict), "an object", {})
+    _no_unknown(audio, frozenset({"format", "voice"}))
+    audio_format = _field(audio, "format", _is_str, "a string", "wav")
+    if audio_format not in CHAT_AUDIO_FORMATS:
+        raise ApiError(f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}", param="audio.format")
+    if _field(body, "n", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", 1) != 1:
+        raise ApiError("'n' must be 1: one answer per request", param="n")
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict) or v is None, "an object", None) or {}
+    return ChatRequest(
+        text=_text(said[-1], "messages"),
+        modalities=tuple(modalities),
+        audio_format=audio_format,
+        stream=_field(body, "stream", lambda v: _is_bool(v) or v is None, "a boolean", False) or False,
+        include_usage=bool(options.get("include_usage", True)),
+        model=_field(body, "model", _is_str, "a string", None),
+    )
+
+
+#: Upstream's extensions of the speech request: accepted with their types checked; the toy
+#: pipeline has one voice, one language and its own chunking, so they change nothing here.
+_SPEECH_EXTENSIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "task_type": (_is_str, "a string"),
+    "language": (_is_str, "a string"),
+    "instructions": (_is_str, "a string"),
+    "initial_codec_chunk_frames": (lambda v: v is None or (isinstance(v, int) and v > 0), "a positive integer"),
+    "max_new_tokens": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
+    "sample_rate": (lambda v: v == 24000, "24000 (the model's rate)"),
+}
+
+
+def parse_speech(raw: object) -> SpeechRequest:
+    body = _object(raw)
+    known = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "word_timestamps"}
+    _no_unknown(body, frozenset(known | set(_SPEECH_EXTENSIONS)))
+    if "input" not in body:
+        raise ApiError("'input' is required: the text to speak", param="input")
+    text = _text(body["input"], "input")
+    response_format = _field(body, "response_format", _is_str, "a string", "wav")
+    if response_format in _UNENCODED:
+        raise ApiError(f"response_format {response_format!r} is not encoded by this server; use wav or pcm")
+    if response_format not in SPEECH_FORMATS:
+        raise ApiError(f"response_format must be one of {', '.join(SPEECH_FORMATS)}", param="response_format")
+    speed = float(_field(body, "speed", _is_number, "a number", 1.0))
+    if not 0.25 <= speed <= 4.0:
+        raise ApiError("'speed' must be between 0.25 and 4.0", param="speed")
+    stream = _field(body, "stream", lambda v: _is_bool(v) or v is None, "a boolean", False) or False
+    stream_format = _field(body, "stream_format", lambda v: v in ("sse", "audio", None), "'sse' or 'audio'", None)
+    streaming = stream or stream_format is not None
+    if streaming and speed != 1.0:
+        raise ApiError("a streamed response plays at speed 1.0 only", param="speed")
+    for name, (check, want) in _SPEECH_EXTENSIONS.items():
+        _field(body, name, check, want, None)
+    return SpeechRequest(
+        text=text,
+        voice=_field(body, "voice", _is_str, "a string", "default"),
+        response_format=response_format,
+        speed=speed,
+        stream=streaming,
+        stream_format=(stream_format or "sse") if streaming else None,
+        word_timestamps=_field(body, "word_timestamps", _is_bool, "a boolean", False),
+        model=_field(body, "model", _is_str, "a string", None),
+        extensions={k: body[k] for k in _SPEECH_EXTENSIONS if k in body},
+    )
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """A WebSocket session's settings; sticky across utterances until the next ``session.config``."""
+
+    voice: str = "default"
+    response_format: str = "pcm"
+    stream_audio: bool = True
+    word_timestamps: bool = False
+
+
+def parse_session_config(raw: Mapping[str, Any]) -> SessionConfig:
+    known = {"type", "model", "voice", "response_format", "stream_audio", "word_timestamps", "speed"}
+    _no_unknown(raw, frozenset(known | set(_SPEECH_EXTENSIONS)))
+    response_format = _field(raw, "response_format", _is_str, "a string", "pcm")
+    if response_format != "pcm":
+        raise ApiError("the WebSocket sends raw PCM: response_format must be 'pcm'", param="response_format")
+    if _field(raw, "speed", _is_number, "a number", 1.0) != 1.0:
+        raise ApiError("a streamed session plays at speed 1.0 only", param="speed")
+    for name, (check, want) in _SPEECH_EXTENSIONS.items():
+        _field(raw, name, check, want, None)
+    return SessionConfig(
+        voice=_field(raw, "voice", _is_str, "a string", "default"),
+        response_format=response_format,
+        stream_audio=_field(raw, "stream_audio", _is_bool, "a boolean", True),
+        word_timestamps=_field(raw, "word_timestamps", _is_bool, "a boolean", False),
+    )

@@ -1,0 +1,377 @@
+"""``omnisim serve`` over the wire: a real server on 127.0.0.1, the official ``openai`` client, a
+real WebSocket client, every serving rule of #7544 checked on what arrives, bad inputs refused
+in OpenAI's error shape, and clients that vanish mid-stream leaving nothing behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import left_behind, shm_names
+from websockets.sync.client import connect
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = "hello world, this is omnisim"
+RATE = 24000
+
+
+class Running:
+    def __init__(self, proc: subprocess.Popen[str], url: str, banner: str) -> None:
+        self.proc = proc
+        self.url = url
+        self.banner = banner
+        self.ws = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+    def stop(self, sig: signal.Signals = signal.SIGINT) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+def start_server(*extra: str) -> Running:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnisim.cli", "serve", "--port", "0", *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    banner = proc.stdout.readline()
+    found = re.search(r"on (http://[\d.]+:\d+)", banner)
+    if found is None:
+        proc.kill()
+        raise AssertionError(f"no banner: {banner!r} {proc.stdout.read()}")
+    return Running(proc, found.group(1), banner)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Running]:
+    before = shm_names()
+    running = start_server()
+    print(running.banner)
+    yield running
+    assert running.stop() == 130
+    assert not left_behind(before)
+
+
+@pytest.fixture
+def client(server: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def _pcm(wav_bytes: bytes) -> bytes:
+    with wave.open(io.BytesIO(wav_bytes)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (RATE, 1, 2)
+        return w.readframes(w.getnframes())
+
+
+def _speech(server: Running, **body: object) -> httpx.Response:
+    response = httpx.post(f"{server.url}/v1/audio/speech", json={"input": TEXT, **body}, timeout=60)
+    return response
+
+
+def _sse_events(server: Running, path: str, body: dict[str, object]) -> list[dict[str, object]]:
+    events = []
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+# -- chat completions ------------------------------------------------------------------------------
+
+
+def test_chat_completions_give_text_and_a_playable_wav(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="qwen3_omni",
+        messages=[{"role": "user", "content": TEXT}],
+        modalities=["text", "audio"],
+        audio={"format": "wav", "voice": "default"},
+    )
+    assert answer.choices[0].message.content == TEXT  # the toy Thinker says what it read
+    audio = answer.choices[1].message.audio
+    assert audio is not None and audio.expires_at > time.time()
+    assert len(_pcm(base64.b64decode(audio.data))) > RATE  # more than half a second of 16-bit samples
+    assert answer.usage is not None and answer.usage.total_tokens > 0
+
+
+def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="qwen3_omni",
+            messages=[{"role": "user", "content": TEXT}],
+            modalities=["text", "audio"],
+            audio={"format": "pcm16"},
+            stream=True,
+        )
+    )
+    modality = [(c.model_extra or {}).get("modality") for c in chunks]
+    text = "".join(c.choices[0].delta.content for c, m in zip(chunks, modality, strict=True) if m == "text")
+    assert text == TEXT
+    assert "audio" in modality
+    audio = b"".join(
+        base64.b64decode(c.choices[0].delta.content) for c, m in zip(chunks, modality, strict=True) if m == "audio"
+    )
+    whole = _speech_pcm_alone(client)
+    assert audio == whole  # each sample once, in order
+    assert chunks[-1].usage is not None and chunks[-2].choices[0].finish_reason == "stop"
+
+
+def _speech_pcm_alone(client: openai.OpenAI) -> bytes:
+    return client.audio.speech.create(model="qwen3_omni", voice="default", input=TEXT, response_format="pcm").content
+
+
+def test_a_request_for_another_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert [m.id for m in client.models.list()] == ["qwen3_omni"]
+
+
+# -- speech ----------------------------------------------------------------------------------------
+
+
+def test_speech_create_returns_a_wav(client: openai.OpenAI) -> None:
+    wav = client.audio.speech.create(model="qwen3_omni", voice="alloy", input=TEXT).content
+    assert _pcm(wav) == _speech_pcm_alone(client)
+
+
+def test_speech_sse_sends_each_sample_once_then_done_with_usage(server: Running) -> None:
+    events = _sse_events(server, "/v1/audio/speech", {"input": TEXT, "stream": True})
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "speech.audio.done" and set(kinds[:-1]) == {"speech.audio.delta"}
+    streamed = b"".join(base64.b64decode(str(e["audio"])) for e in events[:-1])
+    assert streamed == _speech(server, response_format="pcm").content
+    assert events[-1]["usage"]["total_tokens"] > 0  # type: ignore[index]
+
+
+def test_raw_audio_streaming_is_a_wav_of_the_same_samples(server: Running) -> None:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/audio/speech", json={"input": TEXT, "stream_format": "audio"}, timeout=60
+    ) as response:
+        body = response.read()
+    assert response.headers["content-type"] == "audio/wav"
+    assert body[:4] == b"RIFF" and body[44:] == _speech(server, response_format="pcm").content
+
+
+def test_http_streaming_with_word_timestamps_points_to_the_websocket(server: Running) -> None:
+    response = _speech(server, stream=True, word_timestamps=True)
+    assert response.status_code == 400
+    assert "/v1/audio/speech/stream" in response.json()["error"]["message"]
+
+
+def test_word_timestamps_header_covers_the_audio(server: Running) -> None:
+    response = _speech(server, response_format="pcm", word_timestamps=True)
+    stamps = json.loads(response.headers["X-Word-Timestamps"])
+    assert [s["word"] for s in stamps] == TEXT.split()
+    assert all(a["end_ms"] <= b["start_ms"] for a, b in itertools.pairwise(stamps))
+    audio_ms = len(response.content) / 2 / RATE * 1000
+    assert stamps[0]["start_ms"] == 0 and abs(stamps[-1]["end_ms"] - audio_ms) < 1
+
+
+def test_speed_changes_the_duration(server: Running) -> None:
+    normal = len(_speech(server, response_format="pcm").content)
+    fast = len(_speech(server, response_format="pcm", speed=2.0).content)
+    assert abs(fast - normal / 2) <= 2
+
+
+# -- the WebSocket ---------------------------------------------------------------------------------
+
+
+def _utterance(ws: object, text: str) -> tuple[list[dict[str, object]], bytes]:
+    ws.send(json.dumps({"type": "input.text", "text": text}))  # type: ignore[attr-defined]
+    ws.send(json.dumps({"type": "input.done"}))  # type: ignore[attr-defined]
+    messages, audio = [], b""
+    while True:
+        message = ws.recv()  # type: ignore[attr-defined]
+        if isinstance(message, bytes):
+            audio += message
+            continue
+        event = json.loads(message)
+        messages.append(event)
+        if event["type"] == "audio.chunk":
+            audio += base64.b64decode(event["audio_b64"])
+        if event["type"] == "session.done":
+            return messages, audio
+
+
+def test_a_websocket_session_returns_audio_and_word_timestamps_covering_it(server: Running) -> None:
+    whole = _speech(server, response_format="pcm").content
+    with connect(server.ws) as ws:
+        ws.send(json.dumps({"type": "session.config", "word_timestamps": True}))
+        messages, audio = _utterance(ws, TEXT)
+        kinds = [m["type"] for m in messages]
+        assert kinds[0] == "audio.start" and kinds[-2:] == ["audio.done", "session.done"]
+        assert audio == whole  # CUMULATIVE stage outputs, each sample sent once (the trim)
+        stamps = messages[-3]["timestamps"]
+        assert [s["word"] for s in stamps] == TEXT.split()  # type: ignore[union-attr]
+        assert abs(stamps[-1]["end_ms"] - len(audio) / 2 / RATE * 1000) < 1  # type: ignore[index]
+        assert messages[-2]["total_bytes"] == len(audio) and messages[-2]["error"] is False
+        # The config is sticky; a second utterance on the same connection, as binary frames.
+        ws.send(json.dumps({"type": "session.config", "word_timestamps": False}))
+        messages, audio = _utterance(ws, TEXT)
+        assert audio == whole and messages[-1]["utterance_index"] == 1
+        ws.send(json.dumps({"type": "session.close"}))
+
+
+def test_a_websocket_refuses_bad_messages_and_stays_open(server: Running) -> None:
+    with connect(server.ws) as ws:
+        for bad in ("not json", json.dumps({"type": "dance"}), json.dumps({"type": "session.config", "speed": 2})):
+            ws.send(bad)
+            assert json.loads(ws.recv())["type"] == "error"
+        _, audio = _utterance(ws, "still here")
+        assert audio
+
+
+# -- health, metrics, the page ---------------------------------------------------------------------
+
+
+def test_health_and_metrics(server: Running) -> None:
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and set(health["stages"]) == {"thinker", "talker", "code2wav"}
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("vllm:omni_audio_ttfp_s", "vllm:omni_audio_rtf", "vllm:omni_audio_underrun_s", "omnisim_aborts"):
+        assert name in metrics
+    assert 'omnisim_stage_requests{stage="talker"}' in metrics
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/chat/completions", b"{not json", 400),
+        ("/v1/chat/completions", b"[1, 2]", 400),
+        ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "x": 1}).encode(), 400),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "modalities": ["video"]}).encode(),
+            400,
+        ),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "  "}]}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": ""}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "x" * 20_001}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "speed": "fast"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "response_format": "mp3"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "stream": "yes"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),
+        ("/v1/audio/speech", b"x" * (2 << 20), 413),
+        ("/v1/nowhere", b"{}", 404),
+    ],
+)
+def test_bad_input_gets_a_4xx_in_openai_shape(server: Running, path: str, body: bytes, status: int) -> None:
+    response = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+
+
+# -- clients that vanish ---------------------------------------------------------------------------
+
+
+def test_clients_disconnecting_at_random_moments_leave_nothing_behind(server: Running) -> None:
+    rng = random.Random(7)
+    ways = ["speech-sse", "speech-raw", "chat", "ws"]
+    for i in range(200):
+        way, cut = ways[i % len(ways)], rng.randint(0, 6)
+        text = f"request {i} " + "words " * rng.randint(1, 30)
+        if way == "ws":
+            with connect(server.ws) as ws:
+                ws.send(json.dumps({"type": "input.text", "text": text}))
+                ws.send(json.dumps({"type": "input.done"}))
+                for _ in range(cut):
+                    message = ws.recv(timeout=30)
+                    if isinstance(message, str) and "session.done" in message:
+                        break
+            continue
+        path, body = (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "stream": True})
+            if way == "chat"
+            else ("/v1/audio/speech", {"input": text, "stream_format": "sse" if way == "speech-sse" else "audio"})
+        )
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+            for n, _ in enumerate(response.iter_raw(64)):
+                if n >= cut:
+                    break
+    # Every abort and release sweep runs on the server's own tasks: give them a moment.
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        live = [
+            line for line in metrics.splitlines() if re.match(r"omnisim_(stage_requests|store_\w+)\b.* [1-9]", line)
+        ]
+        if not live or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not live, live
+    aborts = float(re.search(r"^omnisim_aborts_total (\S+)", metrics, re.M).group(1))  # type: ignore[union-attr]
+    assert aborts > 50  # most were cut before their end
+
+
+# -- processes, the page -----------------------------------------------------------------------------
+
+
+def test_serve_with_stage_processes() -> None:
+    before = shm_names()
+    running = start_server("--processes")
+    try:
+        assert "as processes" in running.banner
+        response = httpx.post(f"{running.url}/v1/audio/speech", json={"input": TEXT}, timeout=60)
+        assert response.status_code == 200 and _pcm(response.content)
+    finally:
+        assert running.stop(signal.SIGTERM) == 143
+    assert not left_behind(before)
+
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+
+
+def test_the_page_speaks_and_highlights_in_a_real_browser(server: Running, tmp_path: Path) -> None:
+    """A real headless browser, driven by Playwright: type, press Speak, see each word light up
+    while its audio plays, and the status say everything was played."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
+    browser_path = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if browser_path is None:
+        pytest.skip(f"no headless browser installed (looked for {', '.join(BROWSERS)}); CI installs one")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=browser_path, args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"]
+        )
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.fill("#text", "hello world from the browser")
+            page.click("#speak")
+            page.wait_for_selector("#words span.now", timeout=20_000)  # a word lights up as it plays
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('played')")
+            shot = tmp_path / "page.png"
+            page.screenshot(path=str(shot))
+            print(f"screenshot: {shot}")
+            assert page.inner_text("#status").startswith("played 5 words")
+            assert page.inner_text("#words").split() == ["hello", "world", "from", "the", "browser"]
+            assert errors == []
+        finally:
+            browser.close()
