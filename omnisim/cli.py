@@ -407,7 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("omnisim trace export --perfetto runs/artifacts/RUN.json -o run.perfetto.json"),
     )
     trace_sub = sp.add_subparsers(dest="trace_command", required=True, parser_class=_Parser, metavar="ACTION")
-    tp = trace_sub.add_parser("export", help="write the trace in another format")
+    tp = trace_sub.add_parser(
+        "export",
+        help="write the trace in another format",
+        description="Write an artifact's trace in the Chrome trace event format (--perfetto).",
+        epilog=_examples("omnisim trace export --perfetto runs/artifacts/RUN.json -o run.perfetto.json"),
+    )
     tp.add_argument("artifact", help="an artifact (.json) saved by run or explore")
     tp.add_argument("--perfetto", action="store_true", required=True, help="the Chrome/Perfetto trace format")
     tp.add_argument("-o", "--out", help="where to write (default: beside the artifact, .perfetto.json)")

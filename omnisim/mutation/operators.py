@@ -18,8 +18,8 @@ mutant, where omnisim runs a schedule sweep in a forked, already-warm process):
 - ``remove-lock``: ``with lock:`` / ``async with lock:`` gone, its body left unguarded.
 
 Some sites are never mutated, because no behaviour could tell: docstrings, logging calls, an
-assignment to a local name (deleting it is a NameError, not a slip), a trace note (it observes),
-type-checking blocks and ``__repr__``."""
+assignment to a local name (deleting it is a NameError, not a slip), a trace note or kernel point
+(they observe, or offer a switch, and do nothing in production), type-checking blocks and ``__repr__``."""
 
 from __future__ import annotations
 
@@ -295,12 +295,14 @@ class _Finder(ast.NodeVisitor):
 
 
 def _is_observation(expr: ast.expr) -> bool:
-    """A log line or a trace note: it reports what happened and changes nothing."""
+    """A log line, a trace note or a kernel point: it reports what happened, or offers the
+    simulator a place to switch tasks, and changes nothing the runtime does (the real kernel's
+    ``point`` returns at once)."""
     call = expr.value if isinstance(expr, ast.Await) else expr
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
         return False
     owner = call.func.value
-    return call.func.attr == "note" or (isinstance(owner, ast.Name) and owner.id in _LOGGERS)
+    return call.func.attr in ("note", "point") or (isinstance(owner, ast.Name) and owner.id in _LOGGERS)
 
 
 def _int_like(written: str, value: int) -> str:
