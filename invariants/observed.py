@@ -59,6 +59,8 @@ class StoreSnapshot:
     lock_files: list[str]
     #: The namespace's owner is dead: whatever it holds waits for a sweep.
     owner_dead: bool = False
+    #: Segments and lock files opened through the store and not closed (``segment KEY``, …).
+    open_handles: list[str] = field(default_factory=list)
 
 
 #: The snapshots taken once the world went idle: everything a request held must be gone there.

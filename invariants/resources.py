@@ -23,6 +23,22 @@ def no_orphan_shm(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "no-leaked-handle",
+    "every segment and lock file the runtime opened is closed again by quiescence and after shutdown: a handle "
+    "left open keeps a file descriptor, and a removed segment's memory, for as long as the process lives "
+    "(a process that died closed its own)",
+)
+def no_leaked_handle(world: ObservedWorld) -> list[str]:
+    return [
+        f"{handle} of the {store} store is still open at {snap.label}"
+        for snap in world.snapshots
+        if snap.settled
+        for store, contents in snap.stores.items()
+        for handle in contents.open_handles
+    ]
+
+
+@invariant(
     "no-orphan-lock",
     "no lock file of the run's namespace exists at quiescence or after shutdown, and a reader that consumed a "
     "chunk removes its lock file itself, decoded or not (#8082 i)",

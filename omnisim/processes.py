@@ -101,6 +101,8 @@ class ProcessStore:
         self.namespace = store.namespace
         self.dead = False
         self.opened: set[_HeldLock] = set()
+        #: Every segment this process opened: the kernel closes them when it dies.
+        self.segments_opened: list[Segment] = []
 
     def check(self) -> None:
         if self.dead:
@@ -111,14 +113,22 @@ class ProcessStore:
         for lock in list(self.opened):
             lock.drop()
         self.opened.clear()
+        for segment in self.segments_opened:
+            segment.close()
+        self.segments_opened.clear()
 
     def create_segment(self, key: str) -> Segment:
         self.check()
-        return self.store.create_segment(key)
+        segment = self.store.create_segment(key)
+        self.segments_opened.append(segment)
+        return segment
 
     def open_segment(self, key: str) -> Segment | None:
         self.check()
-        return self.store.open_segment(key)
+        segment = self.store.open_segment(key)
+        if segment is not None:
+            self.segments_opened.append(segment)
+        return segment
 
     def unlink_segment(self, key: str) -> bool:
         self.check()
@@ -152,6 +162,9 @@ class ProcessStore:
 
     def sweep(self) -> list[str]:
         return self.store.sweep()
+
+    def open_handles(self) -> list[str]:
+        return self.store.open_handles()
 
 
 def _rewrite(store: Store, key: str, change: Callable[[bytes], bytes]) -> None:

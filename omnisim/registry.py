@@ -30,6 +30,7 @@ ScenarioBody = Callable[[World], Awaitable[None]]
 #: What a run checks unless the scenario says otherwise.
 DEFAULT_INVARIANTS = (
     "no-orphan-shm",
+    "no-leaked-handle",
     "no-orphan-lock",
     "no-tombstones",
     "exact-key-ownership",

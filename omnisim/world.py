@@ -305,7 +305,7 @@ class World:
             residue[name] = component.residue()
         stores = {
             f"{self.store_kind} {namespace}" + (" (owner dead)" if process in dead else ""): StoreSnapshot(
-                store.segments(), store.lock_files(), owner_dead=process in dead
+                store.segments(), store.lock_files(), owner_dead=process in dead, open_handles=store.open_handles()
             )
             for namespace, (store, process) in self.namespaces.items()
         }

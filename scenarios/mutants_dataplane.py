@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from omnisim.registry import Patch, mutant
-from runtime.connectors import namespaces, wire
+from runtime.connectors import namespaces, posix_store, stores, wire
 from runtime.connectors.namespaces import Owner, ProcessTable
 from runtime.connectors.shm import LOCK_RETRY_MAX_S, ShmConnector
 from runtime.connectors.stores import LockFile
@@ -123,3 +123,16 @@ def storage_error_not_rolled_back() -> Iterator[Patch]:
 )
 def producer_death_ignored() -> Iterator[Patch]:
     yield Patch(Adapter, "_fail_if_producer_died", lambda self: None)
+
+
+@mutant(
+    "segment_never_closed",
+    summary="a segment's handle is never closed after its copy-in or copy-out: every chunk leaks a file "
+    "descriptor, and a consumed segment's memory stays allocated while the process lives",
+    issue="omnisim issue 11 (a blind spot the mutation score showed)",
+    scenarios=("abort_during_put", "deserialize_failure"),
+    expect=("no-leaked-handle",),
+)
+def segment_never_closed() -> Iterator[Patch]:
+    yield Patch(stores._MemReader, "close", wire.BufferIO.close)
+    yield Patch(posix_store._PosixSegment, "close", lambda self: None)

@@ -82,3 +82,17 @@ def test_some_mutant_makes_the_checker_fail_in_a_real_run(invariant: str) -> Non
 
 def test_no_mutant_declares_a_crash() -> None:
     assert [name for name, m in registry.MUTANTS.items() if set(m.expect) & UNDECLARABLE] == []
+
+
+def test_no_leaked_handle_names_the_handle_the_store_and_the_moment() -> None:
+    from invariants.observed import Snapshot, StoreSnapshot
+
+    def world(*handles: str) -> ObservedWorld:
+        stores = {"memory ns0": StoreSnapshot([], [], open_handles=list(handles))}
+        mid_run = Snapshot("after sweep", {"memory ns0": StoreSnapshot([], [], open_handles=["lock R_1_9"])}, {})
+        return ObservedWorld(trace=[], snapshots=[mid_run, Snapshot("quiescence", stores, {})], streams={}, crashes=[])
+
+    assert INVARIANTS["no-leaked-handle"].check(world()) == []  # open mid-run is fine
+    assert INVARIANTS["no-leaked-handle"].check(world("segment R_1_0")) == [
+        "segment R_1_0 of the memory ns0 store is still open at quiescence"
+    ]

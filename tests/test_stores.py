@@ -441,3 +441,18 @@ def test_a_hostile_segment_is_refused(posix: PosixStore, how: str, tmp_path: os.
     posix.sweep()
     _gone_or_untouched(path, how)
     _unplant(path)
+
+
+def test_every_handle_is_counted_until_it_is_closed(store: Store) -> None:
+    segment = store.create_segment("R_1_0")
+    segment.reserve(8)
+    reader = store.open_segment("R_1_0")
+    lock = store.open_lock("R_1_0", create=True)
+    assert reader is not None and lock is not None
+    assert store.open_handles() == ["lock R_1_0", "segment R_1_0", "segment R_1_0"]
+    for handle in (segment, reader, lock):
+        handle.close()
+        handle.close()  # closing twice counts once
+    assert store.open_handles() == []
+    store.unlink_segment("R_1_0")
+    store.remove_lock("R_1_0")

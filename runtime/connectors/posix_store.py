@@ -23,7 +23,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -31,7 +31,7 @@ import posix_ipc
 
 from runtime.connectors.keys import InvalidKeyError, validate_key
 from runtime.connectors.namespaces import OWNER_SUFFIX, SHM_DIR, Owner, ShmDirectory, current_owner, write_owner
-from runtime.connectors.stores import ForeignName, StoreError, StoreFull
+from runtime.connectors.stores import ForeignName, OpenHandles, StoreError, StoreFull
 from runtime.connectors.wire import Buffer, WireDecodeError
 
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
@@ -83,10 +83,11 @@ class _PosixSegment:
     """A segment used through its file descriptor: ``pwrite`` and ``preadv`` copy straight
     between the segment's pages and the caller's memory, with no mapping to fault in."""
 
-    def __init__(self, key: str, fd: int, size: int) -> None:
+    def __init__(self, key: str, fd: int, size: int, on_close: Callable[[], None]) -> None:
         self._key = key
         self._fd = fd
         self.size = size
+        self._on_close = on_close
 
     def reserve(self, size: int) -> None:
         try:
@@ -121,13 +122,15 @@ class _PosixSegment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+            self._on_close()
 
 
 class _PosixLock:
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, on_close: Callable[[], None]) -> None:
         self._fd: int | None = fd
         self._path = path
         self._held = False
+        self._on_close = on_close
 
     def is_current(self) -> bool:
         assert self._fd is not None
@@ -157,6 +160,7 @@ class _PosixLock:
             self.release()
             os.close(self._fd)
             self._fd = None
+            self._on_close()
 
 
 class PosixStore:
@@ -177,6 +181,7 @@ class PosixStore:
         self._seg_prefix = f"{self._stem}seg-"
         self._lock_prefix = f"{self._stem}lock-"
         self.owner_path = os.path.join(SHM_DIR, f"{self._stem}{OWNER_SUFFIX}")
+        self.handles = OpenHandles()
         if claim:
             try:
                 write_owner(self.owner_path, owner or current_owner())
@@ -200,7 +205,7 @@ class PosixStore:
             except posix_ipc.ExistentialError:
                 self._unlink_own_segment(key)  # put replaces unread data of ours under the same key
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-        return _PosixSegment(key, shm.fd, 0)
+        return _PosixSegment(key, shm.fd, 0, self.handles.opened(f"segment {key}"))
 
     def _unlink_own_segment(self, key: str) -> None:
         path = self.segment_path(key)
@@ -225,7 +230,7 @@ class PosixStore:
         except BaseException:
             os.close(fd)
             raise
-        return _PosixSegment(key, fd, size)
+        return _PosixSegment(key, fd, size, self.handles.opened(f"segment {key}"))
 
     def unlink_segment(self, key: str) -> bool:
         with _translated("remove segment", key):
@@ -252,7 +257,7 @@ class PosixStore:
         except BaseException:
             os.close(fd)
             raise
-        return _PosixLock(fd, path)
+        return _PosixLock(fd, path, self.handles.opened(f"lock {key}"))
 
     def remove_lock(self, key: str) -> bool:
         try:
@@ -274,6 +279,9 @@ class PosixStore:
 
     def owner(self) -> Owner | None:
         return ShmDirectory().read_owner(self.namespace)
+
+    def open_handles(self) -> list[str]:
+        return self.handles.names()
 
     def sweep(self) -> list[str]:
         """Remove every name of this namespace in /dev/shm (files, the wakeup folder, and the

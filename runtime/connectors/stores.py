@@ -14,10 +14,12 @@ is :class:`ForeignName`.
 from __future__ import annotations
 
 import errno
+from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 from runtime.connectors.namespaces import Owner
-from runtime.connectors.wire import BufferIO, FrameIO
+from runtime.connectors.wire import Buffer, BufferIO, FrameIO
 
 
 class StoreError(Exception):
@@ -100,6 +102,37 @@ class Store(Protocol):
         """Remove everything this namespace holds, owner record last; the names removed."""
         ...
 
+    def open_handles(self) -> list[str]:
+        """The segments and lock files opened through this store and not closed yet, one
+        ``segment KEY`` or ``lock KEY`` per handle: each keeps a file descriptor (and a removed
+        segment's memory) for as long as the process lives."""
+        ...
+
+
+class OpenHandles:
+    """The handles a store gave out that are not closed yet."""
+
+    def __init__(self) -> None:
+        self._open: Counter[str] = Counter()
+
+    def opened(self, name: str) -> Callable[[], None]:
+        """Count a handle on ``name``; the returned function uncounts it, once however often called."""
+        self._open[name] += 1
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                self._open[name] -= 1
+                if not self._open[name]:
+                    del self._open[name]
+
+        return close
+
+    def names(self) -> list[str]:
+        return sorted(self._open.elements())
+
 
 class _LockInode:
     """One lock file; its lock belongs to the file, not to the name."""
@@ -108,11 +141,12 @@ class _LockInode:
 
 
 class _MemLock:
-    def __init__(self, store: MemoryStore, key: str, inode: _LockInode) -> None:
+    def __init__(self, store: MemoryStore, key: str, inode: _LockInode, on_close: Callable[[], None]) -> None:
         self._store = store
         self._key = key
         self._inode = inode
         self._held = False
+        self._on_close = on_close
 
     def is_current(self) -> bool:
         return self._store._locks.get(self._key) is self._inode
@@ -129,13 +163,26 @@ class _MemLock:
 
     def close(self) -> None:
         self.release()
+        self._on_close()
 
 
-class _MemSegment(BufferIO):
+class _MemReader(BufferIO):
+    """An opened segment in memory: read-only, counted until it is closed."""
+
+    def __init__(self, data: Buffer, on_close: Callable[[], None]) -> None:
+        super().__init__(data)
+        self._on_close = on_close
+
+    def close(self) -> None:
+        super().close()
+        self._on_close()
+
+
+class _MemSegment(_MemReader):
     """A segment in memory; a created one grows to its size once, as ``posix_fallocate`` does."""
 
-    def __init__(self, store: MemoryStore, key: str, data: bytearray) -> None:
-        super().__init__(data)
+    def __init__(self, store: MemoryStore, key: str, data: bytearray, on_close: Callable[[], None]) -> None:
+        super().__init__(data, on_close)
         self._store = store
         self._key = key
         self._data = data
@@ -161,19 +208,20 @@ class MemoryStore:
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
         self._locks: dict[str, _LockInode] = {}
+        self.handles = OpenHandles()
 
     def used(self) -> int:
         return sum(len(b) for b in self._segments.values())
 
     def create_segment(self, key: str) -> _MemSegment:
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
-        return _MemSegment(self, key, data)
+        return _MemSegment(self, key, data, self.handles.opened(f"segment {key}"))
 
     def open_segment(self, key: str) -> BufferIO | None:
         data = self._segments.get(key)
         if data is None:
             return None
-        return BufferIO(memoryview(data).toreadonly())
+        return _MemReader(memoryview(data).toreadonly(), self.handles.opened(f"segment {key}"))
 
     def unlink_segment(self, key: str) -> bool:
         return self._segments.pop(key, None) is not None
@@ -187,7 +235,7 @@ class MemoryStore:
             if not create:
                 return None
             inode = self._locks[key] = _LockInode()
-        return _MemLock(self, key, inode)
+        return _MemLock(self, key, inode, self.handles.opened(f"lock {key}"))
 
     def remove_lock(self, key: str) -> bool:
         return self._locks.pop(key, None) is not None
@@ -200,6 +248,9 @@ class MemoryStore:
 
     def owner(self) -> Owner | None:
         return self._owner
+
+    def open_handles(self) -> list[str]:
+        return self.handles.names()
 
     def sweep(self) -> list[str]:
         removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
