@@ -10,10 +10,14 @@ import sys
 import time
 import uuid
 import wave
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnisim.base import CommandFailed, UsageError, writable_file
 from runtime.connectors.stores import StoreError
+
+if TYPE_CHECKING:
+    from runtime.config.pipeline import PipelineConfig
+    from runtime.connectors.stores import Store
 
 log = logging.getLogger(__name__)
 
@@ -94,27 +98,41 @@ class _StageProgress:
             self._bar.close()
 
 
-def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
-    modalities = check_arguments(args)
+def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tuple[PipelineConfig, Store]:
+    """What an engine of the command line is built from: the pipeline's config with
+    ``--async-chunk`` applied, and a fresh store of ``--store`` (after the start-up sweep of what
+    dead processes left in /dev/shm)."""
     import torch
-    import trio
 
     from omnisim.world import make_store
-    from runtime.config.pipeline import load_pipeline
-    from runtime.models.code2wav import SAMPLE_RATE
-    from runtime.pipeline import Models, build_engine, run_request
+    from runtime.config.pipeline import ConfigError, load_pipeline
+    from runtime.stages import check_shape
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
-    config = load_pipeline("qwen3_omni")
+    try:
+        config = load_pipeline(pipeline)
+        check_shape(config)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(str(e)) from None
     if args.async_chunk == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     if args.store == "posix":
         reclaim_dead_namespaces()
     try:
-        store = make_store(args.store)
+        return config, make_store(args.store)
     except StoreError as e:
         raise CommandFailed(f"cannot use /dev/shm: {e}") from None
+
+
+def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    modalities = check_arguments(args)
+    import trio
+
+    from runtime.models.code2wav import SAMPLE_RATE
+    from runtime.pipeline import Models, build_engine, run_request
+
+    config, store = engine_parts(args)
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:

@@ -9,7 +9,6 @@ with an error terminal, the stages stop, and the store is swept.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import socket
@@ -45,24 +44,13 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
-    from omnisim.pipeline_cli import reclaim_dead_namespaces
-    from omnisim.world import make_store
-    from runtime.config.pipeline import load_pipeline
-    from runtime.connectors.stores import StoreError
+    from omnisim.pipeline_cli import engine_parts
     from runtime.pipeline import Models, build_engine
     from runtime.real_kernel import run
     from runtime.serving.http import Server
 
     sock = listen(args.host, args.port)
-    config = load_pipeline(args.pipeline)
-    if args.async_chunk == "off":
-        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
-    if args.store == "posix":
-        reclaim_dead_namespaces()
-    try:
-        store = make_store(args.store)
-    except StoreError as e:
-        raise CommandFailed(f"cannot use /dev/shm: {e}") from None
+    config, store = engine_parts(args, args.pipeline)
     engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
     server = Server(engine, store, model_name=args.served_model_name or config.name)
     hypercorn = Config()

@@ -375,3 +375,20 @@ def test_the_page_speaks_and_highlights_in_a_real_browser(server: Running, tmp_p
             assert errors == []
         finally:
             browser.close()
+
+
+def test_a_bad_pipeline_or_a_taken_port_is_a_usage_error(server: Running) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    for args, message in (
+        (["--pipeline", "nope"], "no shipped pipeline"),
+        (["--pipeline", "qwen3_tts_aligner"], "thinker -> talker -> code2wav"),
+        (["--port", port], "cannot listen"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "omnisim.cli", "serve", *(["--port", "0"] if "--port" not in args else []), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
