@@ -94,6 +94,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _sampled(text: str) -> str:
+    if text.partition(":")[0] != "sampled":
+        raise argparse.ArgumentTypeError(f"expected sampled or sampled:KIND,KIND…, not {text!r}")
+    return text
+
+
 def _port(text: str) -> int:
     port = _whole_number(text, least=0)
     if port > 65535:
@@ -196,6 +202,15 @@ def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
         "N-th hit whose attributes match, e.g. put_fail@key=R_0_3 or decode_fail#2 (`omnisim list faults`)",
     )
     sp.add_argument(
+        "--faults",
+        action="append",
+        dest="fault",
+        type=_sampled,
+        metavar="sampled[:KIND,...]",
+        help="BUGGIFY: in each run, every KIND (default: the storage failures) is active with probability 1/2 "
+        "and, if active, fires on each hit with probability 1/5, drawn from the run's seed (so replay repeats it)",
+    )
+    sp.add_argument(
         "--order",
         action="append",
         metavar="CONSTRAINT",
@@ -287,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=0,
         help="run every N-th schedule twice; traces that differ are a 'deterministic' violation",
+    )
+    sp.add_argument(
+        "--hypothesis-db",
+        default=os.path.join(RUNS_DIR, "hypothesis"),
+        metavar="DIR",
+        help="`hypothesis`: its example database (a failing schedule found before is tried first; "
+        "default: %(default)s; '' for none)",
     )
     sp.add_argument(
         "--no-shrink",
@@ -782,6 +804,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "determinism_every": args.check_determinism,
         "delays": args.delays,
         "shrink_finds": args.shrink,
+        "hypothesis_db": args.hypothesis_db or None,
     }
     results = _explore_all(args, [(name, common) for name in names])
     payload = (
@@ -843,12 +866,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
         rows = [(i.id, i.statement) for i in INVARIANTS.values()]
     elif args.what == "faults":
-        from omnisim.faults import FAULT_KINDS
+        from omnisim.faults import FAULT_KINDS, SAMPLED_KINDS
 
         rows = [
             (kind, f"at {point}: " + ("raises an error there" if raises else "acted out on the world (see faults.py)"))
             for kind, (point, raises) in FAULT_KINDS.items()
         ]
+        rows.append(("sampled", f"--faults sampled[:KIND,...]: BUGGIFY over {', '.join(SAMPLED_KINDS)} by default"))
     else:
         from omnisim.points import POINTS
 

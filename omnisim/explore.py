@@ -14,6 +14,7 @@ from typing import Any
 
 import hypothesis
 import trio
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from invariants import Violation, check
 from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
@@ -193,6 +194,24 @@ def run(
         )
 
 
+def run_schedule(
+    scenario: str,
+    choices: list[int],
+    *,
+    seed: int = 0,
+    store: str = "memory",
+    mutant: str | None = None,
+    params: Params | None = None,
+    faults: list[str] | None = None,
+) -> RunResult:
+    """Run the schedule ``choices`` (as :mod:`omnisim.strategies.hypothesis` reads them) of one
+    scenario: the body of a user's ``@given(schedules(), fault_specs())`` test."""
+    scn = get_scenario(scenario).with_faults(faults or [])
+    m = get_mutant(mutant)
+    with applied(m):
+        return run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant, params=params)
+
+
 @dataclass
 class ExploreResult:
     scenario: str
@@ -287,6 +306,7 @@ def explore(
     determinism_every: int = 0,
     delays: int = 2,
     shrink_finds: bool = True,
+    hypothesis_db: str | None = None,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
     and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`.
@@ -299,7 +319,11 @@ def explore(
     the default schedule, depth first; :attr:`ExploreResult.exhausted` says it ran them all.
 
     A random, PCT or ordered find that is saved (``out_dir``) is shrunk first (``shrink_finds``, see
-    :mod:`omnisim.shrink`): the artifact is the smallest failing schedule of the same world."""
+    :mod:`omnisim.shrink`): the artifact is the smallest failing schedule of the same world.
+
+    ``hypothesis_db``: a folder for Hypothesis's example database. A failing schedule it saved
+    (for this scenario, store, mutant, configuration, faults and seed) is tried first next time;
+    without one, every exploration starts from nothing and runs the same for the same inputs."""
     if budget < 1:
         raise UsageError(f"the budget must be at least 1 schedule, got {budget}")
     scn = get_scenario(scenario).with_faults(faults or [])
@@ -311,7 +335,9 @@ def explore(
         if strategy == "hypothesis":
             if constraints:
                 raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
-            _explore_with_hypothesis(result, scn, time_limit, seed, store, out_dir, plugins or [], params, on_schedule)
+            _explore_with_hypothesis(
+                result, scn, time_limit, seed, store, out_dir, plugins or [], params, on_schedule, hypothesis_db
+            )
         else:
             _explore_schedules(
                 result,
@@ -456,6 +482,7 @@ def _explore_with_hypothesis(
     plugins: list[str],
     params: Params | None,
     on_schedule: OnSchedule | None,
+    database: str | None,
 ) -> None:
     """Let Hypothesis generate up to ``budget`` schedules (as choice sequences) and, on a
     violation, shrink the schedule; the reported and saved run is the shrunk one."""
@@ -465,10 +492,10 @@ def _explore_with_hypothesis(
 
     @hypothesis.settings(
         max_examples=budget,
-        database=None,
+        database=DirectoryBasedExampleDatabase(database) if database else None,
         deadline=None,
         suppress_health_check=list(hypothesis.HealthCheck),
-        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+        phases=[hypothesis.Phase.reuse, hypothesis.Phase.generate, hypothesis.Phase.shrink],
     )
     @hypothesis.seed(seed)
     @hypothesis.given(SCHEDULES)
@@ -489,6 +516,9 @@ def _explore_with_hypothesis(
         if res.violations:  # breakage, not the bug: recorded, and Hypothesis goes on
             result.violations.append({"seed": seed, "violations": [v.as_dict() for v in res.violations]})
 
+    # One entry per world: the same closure explores every scenario, so its digest would not do.
+    world = repr((scn.name, store, mutant, sorted((params or {}).items()), scn.fault_specs, seed))
+    schedule_holds._hypothesis_internal_database_key = hashlib.sha256(world.encode()).digest()  # type: ignore[attr-defined]
     try:
         schedule_holds()
     except ScheduleFailed:

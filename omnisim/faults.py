@@ -110,6 +110,22 @@ class Fault:
         return None if make is None else make(attrs)
 
 
+#: What ``--faults sampled`` draws from: the storage failures the runtime must survive anywhere.
+SAMPLED_KINDS = ("put_fail", "store_full", "enospc_inodes", "foreign_name", "put_raise_after_create", "decode_fail")
+
+
+def sampled_kinds(spec: str) -> tuple[str, ...] | None:
+    """The kinds of a ``sampled[:KIND,KIND...]`` spec (BUGGIFY: each run draws which are active
+    and when they fire, from its seed); None for a spec that names one fault."""
+    head, _, kinds = spec.partition(":")
+    if head != "sampled":
+        return None
+    chosen = tuple(filter(None, kinds.split(","))) or SAMPLED_KINDS
+    for kind in chosen:
+        Fault(kind)  # an unknown kind is an error now, not at the first run
+    return chosen
+
+
 def parse_fault(spec: str) -> Fault:
     """A fault from the command line: ``KIND[@NAME=VALUE[,NAME=VALUE...]][#N]`` fires ``KIND``
     at its point on the ``N``-th hit (default: the first) whose attributes match — for example

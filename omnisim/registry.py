@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from omnisim.base import UsageError
-from omnisim.faults import FaultPlan, UnknownFaultError, parse_fault
+from omnisim.faults import FaultPlan, UnknownFaultError, parse_fault, sampled_kinds
 from omnisim.world import World
 
 BUILTIN_PLUGIN = "scenarios"
@@ -85,7 +85,9 @@ class Scenario:
         if not specs:
             return self
         try:
-            for spec in specs:
+            sampled = [kinds for spec in specs if (kinds := sampled_kinds(spec)) is not None]
+            named = [spec for spec in specs if sampled_kinds(spec) is None]
+            for spec in named:
                 parse_fault(spec)
         except UnknownFaultError as e:
             raise UsageError(str(e)) from None
@@ -94,7 +96,8 @@ class Scenario:
         def plan(seed: int) -> FaultPlan:
             base = own(seed)
             # Fresh Fault objects each run: a fault counts its hits.
-            return FaultPlan([*(base.faults if base else []), *map(parse_fault, specs)], seed)
+            drawn = [f for kinds in sampled for f in FaultPlan.sampled(seed, list(kinds)).faults]
+            return FaultPlan([*(base.faults if base else []), *map(parse_fault, named), *drawn], seed)
 
         return dataclasses.replace(self, faults=plan, fault_specs=(*self.fault_specs, *specs))
 

@@ -21,15 +21,17 @@ _original = {name: vars(Adapter)[name] for name in vars(Adapter)}
     "num_puts_after_success",
     summary="record the key range only after a successful put: the raced or raised key escapes the reclaim",
     issue="#8082 (a)",
-    scenarios=("abort_during_put", "terminal_success_vs_failure"),
-    expect=("no-tombstones",),
+    scenarios=("terminal_success_vs_failure", "abort_during_put"),
+    expect=("no-orphan-shm",),
 )
 def num_puts_after_success() -> Iterator[Patch]:
-    async def _put_chunk(self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any) -> bool:
-        ok, _, _ = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
+    async def _put_chunk(
+        self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any
+    ) -> tuple[bool, str]:
+        ok, _, metadata = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
         if ok:
             token.num_puts = chunk_id + 1
-        return ok
+        return ok, str(metadata.get("error", "connector.put reported failure"))
 
     yield Patch(Adapter, "_put_chunk", _put_chunk)
 

@@ -632,3 +632,14 @@ def test_explorations_in_processes_give_the_same_results(capsys: pytest.CaptureF
         ]
 
     assert results("2") == results("1")
+
+
+def test_hypothesis_tries_a_schedule_that_failed_before_first(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["id_reuse_after_cancel", "--strategy", "hypothesis", "--mutant", "accept_while_draining", "--budget", "300"]
+    args += ["--out", str(tmp_path / "artifacts"), "--hypothesis-db", str(tmp_path / "db"), "--json"]
+    for _ in range(2):
+        code, out, err = omnisim(capsys, "explore", *args)
+        assert code == 1, err
+    assert last_json(out)["first_violation_after"] == 1  # the saved example, replayed first

@@ -73,3 +73,33 @@ def test_budget(omnisim_explore):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--omnisim-budget", "7")
     result.assert_outcomes(passed=1)
+
+
+def test_hypothesis_strategies_for_schedules_and_faults_work_with_given() -> None:
+    """A user's property test: any schedule, with up to two storage faults, keeps the edge clean;
+    and the same strategies find a re-created bug."""
+    from hypothesis import HealthCheck, given, settings
+
+    from omnisim import registry
+    from omnisim.explore import run_schedule
+    from omnisim.strategies.hypothesis import fault_specs, schedules
+
+    registry.load()
+    checks = settings(
+        max_examples=200, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+
+    @checks
+    @given(schedules(), fault_specs(("put_fail", "put_raise_after_create")))
+    def edge_holds(choices: list[int], faults: list[str]) -> None:
+        assert run_schedule("abort_during_put", choices, faults=faults).violations == []
+
+    edge_holds()
+
+    @checks
+    @given(schedules())
+    def bug_hides(choices: list[int]) -> None:
+        assert run_schedule("abort_during_put", choices, mutant="cleanup_on_scheduler_thread").violations == []
+
+    with pytest.raises(AssertionError):
+        bug_hides()

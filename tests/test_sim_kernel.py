@@ -628,10 +628,17 @@ def test_a_paused_process_runs_nothing_until_it_continues() -> None:
 def test_a_hypothesis_schedule_can_choose_every_runnable_task() -> None:
     """Issue 11: with choices drawn from 0..7, the 9th and later runnable tasks (scenarios have up
     to 13) could never be chosen."""
+    from types import SimpleNamespace
+
     from hypothesis import find
 
     from omnisim.strategies.hypothesis import CHOICE, HypothesisStrategy
 
-    tasks = list(range(13))
+    tasks = [SimpleNamespace(tid=i) for i in range(13)]
     assert find(CHOICE, lambda c: c >= len(tasks) - 1) >= len(tasks) - 1
-    assert {HypothesisStrategy([c]).choose(tasks) for c in range(32)} == set(tasks)  # type: ignore[arg-type]
+    chosen = {HypothesisStrategy([c]).choose(tasks).tid for c in range(32)}  # type: ignore[arg-type]
+    assert chosen == set(range(13))
+    # 0 is the default: the running task goes on; 1 is the first other task.
+    running = HypothesisStrategy([0, 1])
+    running.current = tasks[5]  # type: ignore[assignment]
+    assert running.choose(tasks).tid == 5 and running.choose(tasks).tid == 0  # type: ignore[arg-type]

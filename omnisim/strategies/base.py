@@ -10,6 +10,14 @@ if TYPE_CHECKING:
     from omnisim.sim_kernel import SimTask
 
 
+def default_order(candidates: list[SimTask], current: SimTask | None) -> list[SimTask]:
+    """The candidates, the *default* first: the task that ran last keeps running if it can,
+    then the rest by task id. Index 0 is no deviation; every other index is one."""
+    running = current if current in candidates else None
+    rest = sorted((t for t in candidates if t is not running), key=lambda t: t.tid)
+    return [running, *rest] if running is not None else rest
+
+
 class Strategy:
     """Given the runnable tasks, pick the one that runs next.
 

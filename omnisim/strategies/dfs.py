@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from omnisim.strategies.base import Strategy
+from omnisim.strategies.base import Strategy, default_order
 
 if TYPE_CHECKING:
     from omnisim.sim_kernel import SimTask
@@ -56,10 +56,7 @@ class DfsStrategy(Strategy):
         self.decisions: list[Decision] = []
 
     def choose(self, candidates: list[SimTask]) -> SimTask:
-        running = self.current if self.current in candidates else None
-        order = ([running] if running is not None else []) + sorted(
-            (t for t in candidates if t is not running), key=lambda t: t.tid
-        )
+        order = default_order(candidates, self.current)
         index = self.index(order)
         before = self.decisions[-1].delays_with(self.decisions[-1].chosen) if self.decisions else 0
         self.decisions.append(Decision(tuple(t.tid for t in order), index, before))

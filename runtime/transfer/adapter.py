@@ -363,6 +363,9 @@ class ChunkTransferAdapter:
             return
         try:
             await self._send_for_generation(task, token)
+        except Exception:
+            token.failed = True  # a put that raised failed: nothing of this generation follows it
+            raise
         finally:
             # The first point where no in-flight code can touch this generation: it owns the
             # reclaim when an abort raced the put.
@@ -373,6 +376,10 @@ class ChunkTransferAdapter:
                     token.in_flight = False
                     if token.cancelled and not token.terminal_pending:
                         self._retire_generation_locked(ext, token)
+            if is_terminal and token.failed and self._sender_tokens.get(ext) is token:
+                # The terminal itself failed (or raised): no later task of this generation will
+                # retire it, and its exact-range reclaim covers the key it may have created.
+                await self.cleanup_sender(ext)
 
     @staticmethod
     def _may_send(token: SenderGeneration, is_terminal: bool) -> bool:
@@ -461,6 +468,10 @@ class ChunkTransferAdapter:
         token.num_puts = chunk_id + 1
         current_kernel().note("adapter.put", ext=key.rsplit("_", 2)[0], gen=token.serial, key=key)
         ok, _, metadata = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
+        if not ok:
+            # A put that reports failure leaves nothing under its key (the connector's contract):
+            # the key is not this generation's to reclaim; an older generation's chunk may be there.
+            token.num_puts = chunk_id
         cause = metadata.get("error") if isinstance(metadata, dict) else None
         return ok, str(cause or "connector.put reported failure")
 
