@@ -42,7 +42,6 @@ class Level:
     playbacks: list[Playback] = field(default_factory=list)
     rtfs: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
     #: Each text's streamed PCM, as received.
     streamed: dict[str, list[bytes]] = field(default_factory=dict)
 
@@ -52,7 +51,6 @@ class Level:
         return {
             "concurrency": self.concurrency,
             "requests": len(self.playbacks),
-            "failed": len(self.failures),
             "audio_ttfp_ms": _stats(ttfp_ms),
             "audio_rtf": _stats(self.rtfs),
             "audio_duration_s": _stats(audio),

@@ -84,11 +84,16 @@ class Scenario:
         injected too, in every run, besides its own."""
         if not specs:
             return self
+        sampled: list[tuple[str, ...]] = []
+        named: list[str] = []
         try:
-            sampled = [kinds for spec in specs if (kinds := sampled_kinds(spec)) is not None]
-            named = [spec for spec in specs if sampled_kinds(spec) is None]
-            for spec in named:
-                parse_fault(spec)
+            for spec in specs:
+                kinds = sampled_kinds(spec)
+                if kinds is not None:
+                    sampled.append(kinds)
+                else:
+                    parse_fault(spec)  # an unknown kind is an error now, not at the first run
+                    named.append(spec)
         except UnknownFaultError as e:
             raise UsageError(str(e)) from None
         own = self.faults
