@@ -39,6 +39,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _survive_a_close_during_a_send() -> None:
+    """Hypercorn's trio worker sends the end of a connection (``send_eof``, when the client
+    closes) outside the lock its other sends take; a frame the application sends at that moment
+    then raises ``trio.BusyResourceError``, which nothing catches and which ends the whole server
+    (every connection, and the engine with it). Treat it as what it is: that connection closed."""
+    import trio
+    from hypercorn.events import Closed
+    from hypercorn.trio.tcp_server import TCPServer
+
+    send = TCPServer.protocol_send
+    if getattr(send, "survives_busy", False):
+        return
+
+    async def protocol_send(self: TCPServer, event: Any) -> None:
+        try:
+            await send(self, event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+    protocol_send.survives_busy = True  # type: ignore[attr-defined]
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+
+
 def serve(args: argparse.Namespace) -> int:
     import trio
     from hypercorn.config import Config
@@ -49,6 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.real_kernel import run
     from runtime.serving.http import Server
 
+    _survive_a_close_during_a_send()
     sock = listen(args.host, args.port)
     config, store = engine_parts(args, args.pipeline)
     engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
