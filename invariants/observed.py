@@ -61,6 +61,9 @@ class StoreSnapshot:
     owner_dead: bool = False
     #: Segments and lock files opened through the store and not closed (``segment KEY``, …).
     open_handles: list[str] = field(default_factory=list)
+    #: The store's rings, and ``EDGE:KEY`` of every frame on them that holds a chunk nobody took.
+    rings: list[str] = field(default_factory=list)
+    ring_frames: list[str] = field(default_factory=list)
 
 
 #: The snapshots taken once the world went idle: everything a request held must be gone there.

@@ -17,24 +17,40 @@ def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
     return out
 
 
-@invariant("no-orphan-shm", "no segment of the run's namespace exists at quiescence or after shutdown")
+@invariant(
+    "no-orphan-shm",
+    "no segment of the run's namespace, and no ring frame holding a chunk nobody takes, exists at quiescence or "
+    "after shutdown; no ring outlives its connector",
+)
 def no_orphan_shm(world: ObservedWorld) -> list[str]:
-    return _store_leftovers(world, "segment")
+    out = _store_leftovers(world, "segment")
+    for snap in world.snapshots:
+        if not snap.settled:
+            continue
+        for store, contents in snap.stores.items():
+            out.extend(
+                f"ring frame {name} of the {store} store still exists at {snap.label}" for name in contents.ring_frames
+            )
+            if snap.label == "shutdown":
+                out.extend(f"ring {name} of the {store} store still exists at shutdown" for name in contents.rings)
+    return out
 
 
 @invariant(
     "no-leaked-handle",
-    "every segment and lock file the runtime opened is closed again by quiescence and after shutdown: a handle "
-    "left open keeps a file descriptor, and a removed segment's memory, for as long as the process lives "
+    "every segment and lock file the runtime opened is closed again by quiescence, and every ring by shutdown: a "
+    "handle left open keeps a file descriptor, and a removed segment's memory, for as long as the process lives "
     "(a process that died closed its own)",
 )
 def no_leaked_handle(world: ObservedWorld) -> list[str]:
+    # A ring is mapped for as long as its connector lives: only shutdown must find it closed.
     return [
         f"{handle} of the {store} store is still open at {snap.label}"
         for snap in world.snapshots
         if snap.settled
         for store, contents in snap.stores.items()
         for handle in contents.open_handles
+        if snap.label == "shutdown" or not handle.startswith("ring ")
     ]
 
 

@@ -11,8 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-#: The stores a simulated world can run on.
-STORES = ("memory", "posix")
+#: The stores a simulated world can run on: dictionaries, /dev/shm segments, or /dev/shm with a
+#: (small) ring per stage edge for the chunks that fit on it.
+STORES = ("memory", "posix", "ring")
+#: Where a real engine's chunks live (its edges' transport comes from the deploy file).
+ENGINE_STORES = ("memory", "posix")
 
 
 class UsageError(ValueError):

@@ -5,8 +5,9 @@
 * ``pipeline`` — one ~10 s utterance through the real pipeline (real kernel, /dev/shm) with
   ``async_chunk`` on and off: time to first audio, total time, model compute, and their ratios;
 * ``connector`` — ShmConnector put+get on the POSIX store for the sizes of upstream's own
-  benchmark (``shared/bench/upstream_shm.py``), rows in the same JSON shape; with ``--upstream``
-  that script runs too, so both are measured in one go.
+  benchmark (``shared/bench/upstream_shm.py``), over segments and over a ring, next to a plain
+  memory copy of the same bytes, rows in the same JSON shape; with ``--upstream`` that script
+  runs too, so all are measured in one go.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch
 import trio
 
 from omnisim import registry
-from omnisim.base import UsageError
+from omnisim.base import CommandFailed, UsageError
 from omnisim.explore import explore
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import ShmConnector
 
 # label -> (dtype, shape, repetitions): the same payloads as upstream's benchmark.
@@ -67,7 +69,9 @@ UTTERANCE_10S = (
 
 
 def bench_pipeline(runs: int, processes: bool = False) -> dict[str, Any]:
-    """``runs`` requests each way, alternating on/off so drift hits both; medians."""
+    """``runs`` requests each way — async chunk on over each transport, and off — in rotation so
+    drift hits all alike; medians. The audio on the ring must equal the audio on segments, byte
+    for byte."""
     import dataclasses
 
     from runtime.config.pipeline import load_pipeline
@@ -75,11 +79,13 @@ def bench_pipeline(runs: int, processes: bool = False) -> dict[str, Any]:
 
     base = load_pipeline("qwen3_omni")
     configs = {
-        "on": base,
+        "ring": base.with_transport("ring"),
+        "segments": base.with_transport("segments"),
         "off": dataclasses.replace(base, deploy=dataclasses.replace(base.deploy, async_chunk=False)),
     }
     models = Models.build()
-    samples: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in configs}
+    audio: dict[str, bytes] = {}
     store = PosixStore()
     try:
         for i in range(runs + 1):  # the first round warms up torch and the page cache
@@ -88,6 +94,7 @@ def bench_pipeline(runs: int, processes: bool = False) -> dict[str, Any]:
                 result = trio.run(lambda engine=engine: run_request(engine, store, UTTERANCE_10S))
                 if result.error is not None or result.residue or result.time_to_first_audio_s is None:
                     raise RuntimeError(f"pipeline run failed: {result.error or result.residue}")
+                audio.setdefault(mode, result.audio.numpy().tobytes())
                 if i:
                     samples[mode].append(
                         {
@@ -99,20 +106,23 @@ def bench_pipeline(runs: int, processes: bool = False) -> dict[str, Any]:
                     )
     finally:
         store.sweep()
-    row: dict[str, Any] = {"runs": runs}
+    row: dict[str, Any] = {"runs": runs, "ring_audio_identical": audio["ring"] == audio["segments"]}
     for mode, rows in samples.items():
         for key in ("ttfa_ms", "total_ms", "model_ms", "audio_s"):
             row[f"{mode}_{key}"] = round(statistics.median(r[key] for r in rows), 2)
         row[f"{mode}_overhead_ratio"] = round(statistics.median(r["total_ms"] / r["model_ms"] for r in rows), 3)
-    row["ttfa_ratio"] = round(row["on_ttfa_ms"] / row["off_ttfa_ms"], 3)
-    print(f"{row['on_audio_s']:.2f} s of audio, median of {runs} runs each")
-    for mode in ("on", "off"):
+    row["ttfa_ratio"] = round(row["ring_ttfa_ms"] / row["off_ttfa_ms"], 3)
+    print(f"{row['ring_audio_s']:.2f} s of audio, median of {runs} runs each")
+    for mode, label in (("ring", "on, ring"), ("segments", "on, segments"), ("off", "off")):
         ttfa, total, model = (row[f"{mode}_{key}"] for key in ("ttfa_ms", "total_ms", "model_ms"))
         print(
-            f"  async_chunk {mode:<3}: first audio {ttfa:7.1f} ms, total {total:7.1f} ms, "
+            f"  async_chunk {label:<13}: first audio {ttfa:7.1f} ms, total {total:7.1f} ms, "
             f"model compute {model:7.1f} ms, total/model {row[f'{mode}_overhead_ratio']:.3f}"
         )
-    print(f"  time to first audio, on / off: {row['ttfa_ratio']:.3f}")
+    print(f"  time to first audio, on (ring) / off: {row['ttfa_ratio']:.3f}")
+    print(f"  audio on the ring {'equals' if row['ring_audio_identical'] else 'DIFFERS FROM'} the audio on segments")
+    if not row["ring_audio_identical"]:
+        raise CommandFailed("the pipeline's audio on the ring differs from its audio on segments")
     return row
 
 
@@ -182,9 +192,12 @@ def _payload(label: str, i: int) -> dict[str, Any]:
     return {"codes": {"audio": t}, "meta": {"request_id": f"req-{i}", "chunk": i, "sample_rate": 24000}}
 
 
-async def _bench_connector(labels: list[str], scale: float) -> list[dict[str, Any]]:
+async def _bench_connector(labels: list[str], scale: float, ring: bool = False) -> list[dict[str, Any]]:
+    """put+get of each size from one connector to another (one process, one namespace); with
+    ``ring``, the edge has a ring (payloads too large for it still take segments)."""
     store = PosixStore()
-    conn = ShmConnector(store, stage_id=0)
+    producer = ShmConnector(store, stage_id=0, send_ring=RingSettings() if ring else None)
+    consumer = ShmConnector(store, stage_id=1, receive_ring=ring)
     rows = []
     try:
         for label in labels:
@@ -194,12 +207,13 @@ async def _bench_connector(labels: list[str], scale: float) -> list[dict[str, An
             reps = max(3, int(SIZES[label][2] * scale))
             put_t, get_t, tot_t = [], [], []
             size = 0
+            ring_puts = producer.health()["ring_puts"]
             for r in range(reps):
                 key = f"bench_{label.replace('.', '_')}_{r}"
                 t0 = time.perf_counter()
-                ok, size, md = await conn.put("0", "1", key, payload)
+                ok, size, md = await producer.put("0", "1", key, payload)
                 t1 = time.perf_counter()
-                got = await conn.get("0", "1", key, md)
+                got = await consumer.get("0", "1", key, md)
                 t2 = time.perf_counter()
                 if not ok or got is None:
                     raise RuntimeError(f"put/get failed for {label}")
@@ -213,6 +227,7 @@ async def _bench_connector(labels: list[str], scale: float) -> list[dict[str, An
             rows.append(
                 {
                     "size": label,
+                    "path": "ring" if producer.health()["ring_puts"] > ring_puts else "segments",
                     "tensor_bytes": nbytes,
                     "serialized_bytes": size,
                     "reps": reps,
@@ -224,31 +239,47 @@ async def _bench_connector(labels: list[str], scale: float) -> list[dict[str, An
             )
             gc.collect()
     finally:
-        await conn.close()
+        await producer.close()
+        await consumer.close()
         store.sweep()
     return rows
 
 
 def bench_connector(labels: list[str], scale: float) -> list[dict[str, Any]]:
-    """put+get for each size, with the frames' checksum and without one (in the same run, best of
-    three rounds each), next to a plain copy of the same bytes: what the checksum costs."""
+    """put+get for each size over segments and over a ring, and over segments without the
+    frames' checksum (in the same run, best of three rounds each), next to a plain copy of the
+    same bytes measured in the same run."""
     torch.set_num_threads(1)
-    # Three rounds, each measuring with and without the checksum, so drift hits both alike.
-    rounds = [(trio.run(_bench_connector, labels, scale), _unchecked(labels, scale)) for _ in range(3)]
+    # Three rounds, each measuring every variant, so drift hits them all alike.
+    rounds = [
+        (
+            trio.run(_bench_connector, labels, scale),
+            trio.run(_bench_connector, labels, scale, True),
+            _unchecked(labels, scale),
+        )
+        for _ in range(3)
+    ]
     rows = [min((r[0][i] for r in rounds), key=lambda row: row["total_us"]) for i in range(len(labels))]
-    bare_by_size = {label: min(r[1][i]["total_us"] for r in rounds) for i, label in enumerate(labels)}
+    ring_by_size = {
+        label: min((r[1][i] for r in rounds), key=lambda row: row["total_us"]) for i, label in enumerate(labels)
+    }
+    bare_by_size = {label: min(r[2][i]["total_us"] for r in rounds) for i, label in enumerate(labels)}
     print(
         f"{'size':>7} {'reps':>5} {'put us':>10} {'get us':>10} {'total us':>10} {'GB/s':>6} "
-        f"{'unchecked':>10} {'checksum':>9} {'memcpy GB/s':>12}"
+        f"{'ring us':>10} {'ring GB/s':>9} {'unchecked':>10} {'checksum':>9} {'memcpy GB/s':>12}"
     )
     for r in rows:
         bare = bare_by_size[r["size"]]
+        ring = ring_by_size[r["size"]]
         r["total_us_unchecked"] = bare
         r["checksum_overhead_pct"] = round((r["total_us"] / bare - 1) * 100, 1)
+        r["ring"] = ring
         r["memcpy_GBps"] = _memcpy_gbps(r["tensor_bytes"])
+        ring_cell = f"{ring['total_us']:>10.1f}" if ring["path"] == "ring" else f"{'(segment)':>10}"
         print(
             f"{r['size']:>7} {r['reps']:>5} {r['put_us']:>10.1f} {r['get_us']:>10.1f} {r['total_us']:>10.1f} "
-            f"{r['GBps']:>6.2f} {bare:>10.1f} {r['checksum_overhead_pct']:>8.1f}% {r['memcpy_GBps']:>12.2f}"
+            f"{r['GBps']:>6.2f} {ring_cell} {ring['GBps']:>9.2f} {bare:>10.1f} {r['checksum_overhead_pct']:>8.1f}% "
+            f"{r['memcpy_GBps']:>12.2f}"
         )
     return rows
 
@@ -351,12 +382,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             if upstream:
                 payload["upstream"] = upstream
                 by_size = {r["size"]: r for r in upstream}
-                print(f"{'size':>7} {'omnisim us':>11} {'upstream us':>12} {'speed-up':>9}")
+                print(
+                    f"{'size':>7} {'segments us':>12} {'ring us':>9} {'upstream us':>12} {'speed-up':>9} "
+                    f"{'of memcpy':>10}"
+                )
                 for r in payload["connector"]:
                     u = by_size.get(r["size"])
                     if u:
+                        best = min(r["total_us"], r["ring"]["total_us"])
+                        r["upstream_speedup"] = round(u["total_us"] / best, 2)
+                        r["memcpy_share_pct"] = round(r["tensor_bytes"] / best / 1e3 / r["memcpy_GBps"] * 100, 1)
                         print(
-                            f"{r['size']:>7} {r['total_us']:>11.1f} {u['total_us']:>12.1f} "
-                            f"{u['total_us'] / r['total_us']:>8.2f}x"
+                            f"{r['size']:>7} {r['total_us']:>12.1f} {r['ring']['total_us']:>9.1f} "
+                            f"{u['total_us']:>12.1f} {r['upstream_speedup']:>8.2f}x {r['memcpy_share_pct']:>9.1f}%"
                         )
     return payload

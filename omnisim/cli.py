@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from omnisim.base import (
+    ENGINE_STORES,
     STORES,
     CommandFailed,
     UsageError,
@@ -155,8 +156,9 @@ def _add_run_options(sp: argparse.ArgumentParser, *, store_default: str | None =
         "--store",
         choices=STORES,
         default=store_default,
-        help="where segments live: in memory, or real POSIX shared memory in /dev/shm"
-        + (" (default: %(default)s)" if store_default else " (default: both)"),
+        help="where chunks live: in memory, in real POSIX shared memory in /dev/shm, or there with a small ring "
+        "per stage edge for the chunks that fit on it"
+        + (" (default: %(default)s)" if store_default else " (default: all three)"),
     )
 
 
@@ -508,7 +510,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
     )
-    sp.add_argument("--store", choices=STORES, default="posix", help="where segments live (default: %(default)s)")
+    sp.add_argument(
+        "--transport",
+        choices=("ring", "segments"),
+        help="how every edge hands chunks over: a shared ring per edge for the chunks that fit, or a segment per "
+        "chunk (default: the deploy file's, ring)",
+    )
+    sp.add_argument(
+        "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"
+    )
     sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
     sp.add_argument(
         "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
@@ -573,9 +583,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
     )
-    sp.add_argument("--store", choices=STORES, default="posix", help="where segments live (default: %(default)s)")
+    sp.add_argument(
+        "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"
+    )
     sp.add_argument(
         "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
+    )
+    sp.add_argument(
+        "--transport",
+        choices=("ring", "segments"),
+        help="how every edge hands chunks over: a shared ring per edge for the chunks that fit, or a segment per "
+        "chunk (default: the deploy file's, ring)",
     )
     _add_json(sp)
     sp.set_defaults(func=cmd_pipeline, needs_registry=False, plugin=[])
@@ -956,7 +974,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                         budget=args.budget,
                         time_limit=args.time_limit,
                         seed=args.seed,
-                        store=args.store,
+                        store=m.store or args.store,
                         mutant=m.name,
                         on_schedule=on_schedule,
                     )

@@ -100,7 +100,7 @@ class _StageProgress:
 
 def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tuple[PipelineConfig, Store]:
     """What an engine of the command line is built from: the pipeline's config with
-    ``--async-chunk`` applied, and a fresh store of ``--store`` (after the start-up sweep of what
+    ``--async-chunk`` and ``--transport`` applied, and a fresh store of ``--store`` (after the start-up sweep of what
     dead processes left in /dev/shm)."""
     import torch
 
@@ -117,6 +117,8 @@ def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tupl
         raise UsageError(str(e)) from None
     if args.async_chunk == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
+    if args.transport is not None:
+        config = config.with_transport(args.transport)
     if args.store == "posix":
         reclaim_dead_namespaces()
     try:

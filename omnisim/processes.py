@@ -23,9 +23,11 @@ import msgpack
 import numpy as np
 import xxhash
 
+from runtime.connectors import ring as rings
 from runtime.connectors.namespaces import Owner
 from runtime.connectors.posix_store import PosixStore
-from runtime.connectors.stores import LockFile, MemoryStore, Segment, Store
+from runtime.connectors.ring import Ring
+from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, Store
 from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_TENSOR, MAGIC, TRAILER
 
 SIM_PID_NAMESPACE = "sim"
@@ -97,16 +99,16 @@ class ProcessStore:
 
     def __init__(self, store: Store, owner: Owner) -> None:
         self.store = store
-        self.owner = owner
+        self.process = owner
         self.namespace = store.namespace
         self.dead = False
         self.opened: set[_HeldLock] = set()
-        #: Every segment this process opened: the kernel closes them when it dies.
-        self.segments_opened: list[Segment] = []
+        #: Every segment and ring this process opened: the kernel closes them when it dies.
+        self.segments_opened: list[Segment | RingMemory] = []
 
     def check(self) -> None:
         if self.dead:
-            raise ProcessDied(f"process {self.owner.pid} is dead")
+            raise ProcessDied(f"process {self.process.pid} is dead")
 
     def die(self) -> None:
         self.dead = True
@@ -151,6 +153,26 @@ class ProcessStore:
         self.check()
         return self.store.remove_lock(key)
 
+    def create_ring(self, edge: str, capacity: int) -> RingMemory:
+        self.check()
+        ring = self.store.create_ring(edge, capacity)
+        self.segments_opened.append(ring)
+        return ring
+
+    def open_ring(self, edge: str) -> RingMemory | None:
+        self.check()
+        ring = self.store.open_ring(edge)
+        if ring is not None:
+            self.segments_opened.append(ring)
+        return ring
+
+    def unlink_ring(self, edge: str) -> bool:
+        self.check()
+        return self.store.unlink_ring(edge)
+
+    def rings(self) -> list[str]:
+        return self.store.rings()
+
     def segments(self) -> list[str]:
         return self.store.segments()
 
@@ -189,8 +211,37 @@ def _rewrite(store: Store, key: str, change: Callable[[bytes], bytes]) -> None:
         os.close(fd)
 
 
+def _rewrite_ring_frame(store: Store, key: str, change: Callable[[bytes], bytes]) -> None:
+    """Replace the payload of ``key``'s unread frame (committed, perhaps not yet published) on
+    any of the store's rings, in place; a longer replacement is cut to the frame's room (corrupt
+    all the same)."""
+    for edge in store.rings():
+        memory = store.open_ring(edge)
+        if memory is None:
+            continue
+        try:
+            ring = Ring(memory)
+            frame = next((f for f in ring.frames() if f.key == key and f.state in (rings.WRITING, rings.READY)), None)
+            if frame is None:
+                continue
+            new = change(bytes(ring.payload(frame)))[: frame.payload_len]
+            memory.view[frame.payload_at : frame.payload_at + len(new)] = new
+            at = rings.HEADER_SIZE + frame.pos % ring.data_size
+            rings.FRAME.pack_into(memory.view, at, frame.state, len(frame.key), len(new), frame.span)
+        finally:
+            memory.close()
+
+
+def _rewrite_chunk(store: Store, key: str, change: Callable[[bytes], bytes]) -> None:
+    """Replace the bytes of ``key``'s unread chunk, in its segment or on a ring of the store."""
+    if store.segment_exists(key):
+        _rewrite(store, key, change)
+    else:
+        _rewrite_ring_frame(store, key, change)
+
+
 def corrupt_segment(store: Store, key: str) -> None:
-    """Flip one byte in the middle of segment ``key`` (bytes changed after their commit)."""
+    """Flip one byte in the middle of ``key``'s chunk (bytes changed after their commit)."""
 
     def flip(data: bytes) -> bytes:
         if not data:
@@ -199,14 +250,14 @@ def corrupt_segment(store: Store, key: str) -> None:
         out[len(out) // 2] ^= 0xFF
         return bytes(out)
 
-    _rewrite(store, key, flip)
+    _rewrite_chunk(store, key, flip)
 
 
 def forge_segment(store: Store, key: str) -> None:
-    """Replace segment ``key`` by a forged frame: trailer and checksum valid, codes that were
+    """Replace ``key``'s chunk by a forged frame: trailer and checksum valid, codes that were
     never sent, and the flags' one-byte buffers lying inside the codes' bytes (overlapping
     buffer references, which a decoder must refuse)."""
-    _rewrite(store, key, lambda _: forged_frame())
+    _rewrite_chunk(store, key, lambda _: forged_frame())
 
 
 def forged_frame() -> bytes:

@@ -159,6 +159,8 @@ class Mutant:
     scenarios: tuple[str, ...] = field(default=())
     #: The invariants it must trip: a run counts as a detection only if one of them fails.
     expect: tuple[str, ...] = field(default=())
+    #: The store its scenarios must run on to meet the code it changes (None: any).
+    store: str | None = None
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -205,7 +207,13 @@ def scenario(
 
 
 def mutant(
-    name: str, *, summary: str, issue: str, scenarios: tuple[str, ...], expect: tuple[str, ...]
+    name: str,
+    *,
+    summary: str,
+    issue: str,
+    scenarios: tuple[str, ...],
+    expect: tuple[str, ...],
+    store: str | None = None,
 ) -> Callable[[Callable[[], Iterator[Patch]]], Callable[[], Iterator[Patch]]]:
     """Register the decorated generator of :class:`Patch` es as mutant ``name``, found by
     ``scenarios`` when one of the ``expect`` invariants fails. Any other failure it causes (an
@@ -217,7 +225,7 @@ def mutant(
     def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
         if name in MUTANTS:
             raise UsageError(f"mutant {name!r} is registered twice")
-        MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios, expect)
+        MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios, expect, store)
         return patches
 
     return register

@@ -84,6 +84,7 @@ class _Lives:
             store,
             stage_id=self.spec.stage_id,
             wakeups=world.wakeups,
+            **world.transport(),
             upstream=world.handle(process, world.store_of(upstream)) if upstream is not None else None,
             upstream_alive=producer_alive if upstream is not None else None,
         )

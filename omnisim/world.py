@@ -24,11 +24,16 @@ from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import RingSettings, unread_frames
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import Attr, current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
+
+#: The rings of a world on the ``ring`` store: small, so that a few chunks fill one and the
+#: scenarios wrap around it, find it full and fall back to segments.
+SIM_RING = RingSettings(capacity=16 << 10)
 
 #: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
 #: each), so up to 64 consumed keys have been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
@@ -46,7 +51,7 @@ def make_store(kind: str, owner: Owner | None = None) -> Store:
     POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone)."""
     if kind == "memory":
         return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner)
-    if kind == "posix":
+    if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
         _made.append(namespace)
         return PosixStore(namespace, claim=True)
@@ -140,6 +145,7 @@ class World:
             store,
             stage_id=stage_id,
             wakeups=self.wakeups,
+            **self.transport(),
             # This stage reads the producer's namespace through its own process's handle: what
             # it holds there goes when this process dies, not when the producer does.
             upstream=self.handle(process, self._raw(upstream.connector.store)) if upstream is not None else None,
@@ -151,6 +157,11 @@ class World:
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
+
+    def transport(self) -> dict[str, Any]:
+        """How a stage's connector sends and receives on this world's store."""
+        ring = self.store_kind == "ring"
+        return {"send_ring": SIM_RING if ring else None, "receive_ring": ring}
 
     def _raw(self, store: Store) -> Store:
         return store.store if isinstance(store, ProcessStore) else store
@@ -221,6 +232,9 @@ class World:
         for key in store.lock_files():
             store.remove_lock(key)
             k.note("sweep.removed", ns=namespace, name=f"lock-{key}")
+        for edge in store.rings():
+            store.unlink_ring(edge)
+            k.note("sweep.removed", ns=namespace, name=f"ring-{edge}")
         self.snapshot("after sweep")
 
     def crash(self, process: str) -> None:
@@ -275,8 +289,7 @@ class World:
         elif fault.kind in ("corrupt_bytes", "forged_frame"):
             change = corrupt_segment if fault.kind == "corrupt_bytes" else forge_segment
             for store, _ in self.namespaces.values():
-                if store.segment_exists(key):
-                    change(store, key)
+                change(store, key)
         else:
             raise UsageError(f"fault {fault.kind!r} is not one the world acts out")
 
@@ -305,7 +318,12 @@ class World:
             residue[name] = component.residue()
         stores = {
             f"{self.store_kind} {namespace}" + (" (owner dead)" if process in dead else ""): StoreSnapshot(
-                store.segments(), store.lock_files(), owner_dead=process in dead, open_handles=store.open_handles()
+                store.segments(),
+                store.lock_files(),
+                owner_dead=process in dead,
+                open_handles=store.open_handles(),
+                rings=store.rings(),
+                ring_frames=unread_frames(store),
             )
             for namespace, (store, process) in self.namespaces.items()
         }
@@ -350,7 +368,8 @@ class _WorldDirectory:
     def entries(self) -> list[Entry]:
         out = []
         for namespace, (store, _) in sorted(self._world.namespaces.items()):
-            names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()] + ["owner"]
+            names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()]
+            names += [f"ring-{k}" for k in store.rings()] + ["owner"]
             out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, math.inf) for n in names)
         return out
 
@@ -367,3 +386,5 @@ class _WorldDirectory:
             store.unlink_segment(key)
         elif kind == "lock":
             store.remove_lock(key)
+        elif kind == "ring":
+            store.unlink_ring(key)

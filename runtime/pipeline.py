@@ -16,6 +16,7 @@ import torch
 from runtime.client import generate
 from runtime.config.pipeline import PipelineConfig
 from runtime.config.topology import OutputType
+from runtime.connectors.ring import unread_frames
 from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
 from runtime.models._build import module_device
@@ -23,7 +24,7 @@ from runtime.models.aligner import WordTimestamp
 from runtime.orchestrator import Orchestrator
 from runtime.process_stage import ProcessStage, StageLaunch
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S
-from runtime.stages import ComputeMeter, Models, StageHandle, build_stages, check_shape
+from runtime.stages import ComputeMeter, Models, StageHandle, StageTransport, build_stages, check_shape
 
 __all__ = ["Models", "PipelineResult", "build_engine", "run_request"]
 
@@ -58,7 +59,8 @@ def build_engine(
     upstream: ProcessStage | None = None
     for spec in config.stages:
         device = str(module_device(getattr(models, spec.model)))
-        upstream = ProcessStage(spec, replace(launch, device=device), upstream=upstream, on_death=engine.stage_died)
+        stage_launch = replace(launch, device=device, transport=StageTransport.of(config, spec.stage_id))
+        upstream = ProcessStage(spec, stage_launch, upstream=upstream, on_death=engine.stage_died)
         handles[spec.stage_id] = upstream
     return engine
 
@@ -115,7 +117,12 @@ async def run_request(
                 error = out.error
         total = k.now() - start
         await engine.drain()  # the release sweep runs after the terminal
-        residue = {**await engine.residue_now(), "segments": store.segments(), "lock_files": store.lock_files()}
+        residue = {
+            **await engine.residue_now(),
+            "segments": store.segments(),
+            "lock_files": store.lock_files(),
+            "ring_frames": unread_frames(store),
+        }
         engine.shutdown()
     return PipelineResult(
         text="".join(pieces),

@@ -11,13 +11,14 @@ the stage after it where its producer now writes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.config.topology import StageSpec
@@ -27,7 +28,7 @@ from runtime.control import Channel, ChannelClosed
 from runtime.kernel import KProcess, current_kernel
 from runtime.request import Request
 from runtime.stage_process import decode_output
-from runtime.stages import OnOutput
+from runtime.stages import OnOutput, StageTransport
 from runtime.supervisor import DEAD_AFTER_S, Supervised
 
 #: How long a new stage process may take to load its model and say it is ready.
@@ -47,6 +48,8 @@ class StageLaunch:
     input_wait_timeout_s: float = 600.0
     #: ``"restart"``: a dead stage comes back (with back-off); ``"fail"``: it stays down.
     restart: str = "restart"
+    #: How the stage's connector hands chunks over (set per stage).
+    transport: StageTransport = field(default_factory=StageTransport)
 
 
 class ProcessStage(Supervised):
@@ -172,6 +175,7 @@ class ProcessStage(Supervised):
             "wake": self.launch.wake_namespace,
             "device": self.launch.device,
             "input_wait_timeout_s": self.launch.input_wait_timeout_s,
+            "transport": dataclasses.asdict(self.launch.transport),
             "fd": stage_end.fileno(),
         }
         argv = [sys.executable, "-m", "runtime.stage_process", json.dumps(spec)]

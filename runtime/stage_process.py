@@ -38,7 +38,7 @@ from runtime.models.thinker import Thinker
 from runtime.real_kernel import run
 from runtime.request import Request
 from runtime.sched.base import StageOutput
-from runtime.stages import ComputeMeter, Stage, TalkerFrame, ThinkerDelta, build_stage
+from runtime.stages import ComputeMeter, Stage, StageTransport, TalkerFrame, ThinkerDelta, build_stage
 from runtime.supervisor import HEARTBEAT_S
 
 #: How often it looks for send and receive failures to report.
@@ -212,6 +212,7 @@ async def _serve_on(
         store,
         stage_id=stage_spec.stage_id,
         wakeups=FifoWakeups(spec["wake"]),
+        **StageTransport(**spec["transport"]).connector_options(),
         upstream=upstream,
         upstream_alive=upstream_alive if upstream is not None else None,
     )

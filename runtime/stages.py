@@ -20,8 +20,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from runtime.config.deploy import Transport
 from runtime.config.pipeline import PipelineConfig
-from runtime.config.topology import StageKind, StageSpec
+from runtime.config.topology import Edge, StageKind, StageSpec
+from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import Store
 from runtime.connectors.wakeup import LocalWakeups
@@ -368,6 +370,30 @@ def check_shape(config: PipelineConfig) -> None:
         raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
 
 
+@dataclass(frozen=True)
+class StageTransport:
+    """How one stage's connector hands chunks over, from the deploy file's edge transports: on a
+    ring of ``send_ring_bytes`` for the edge it sends on (None: by segments), and whether it looks
+    for the chunks it gets on its producer's ring."""
+
+    send_ring_bytes: int | None = None
+    receive_ring: bool = False
+
+    @classmethod
+    def of(cls, config: PipelineConfig, stage_id: int) -> StageTransport:
+        def on_ring(from_stage: int, to_stage: int) -> bool:
+            edge = Edge(from_stage, to_stage)
+            return edge in config.edges and config.deploy.transport_of(*edge) is Transport.RING
+
+        sends = on_ring(stage_id, stage_id + 1)
+        return cls(config.deploy.ring_bytes if sends else None, on_ring(stage_id - 1, stage_id))
+
+    def connector_options(self) -> dict[str, Any]:
+        """The :class:`ShmConnector` keyword arguments that say so."""
+        ring = RingSettings(capacity=self.send_ring_bytes) if self.send_ring_bytes is not None else None
+        return {"send_ring": ring, "receive_ring": self.receive_ring}
+
+
 def build_stages(
     config: PipelineConfig,
     models: Models,
@@ -385,7 +411,12 @@ def build_stages(
             config,
             spec,
             getattr(models, spec.model),
-            ShmConnector(store, stage_id=spec.stage_id, wakeups=wakeups),
+            ShmConnector(
+                store,
+                stage_id=spec.stage_id,
+                wakeups=wakeups,
+                **StageTransport.of(config, spec.stage_id).connector_options(),
+            ),
             ComputeMeter(),
             input_wait_timeout_s=input_wait_timeout_s,
         )

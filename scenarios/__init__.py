@@ -11,10 +11,12 @@ from scenarios import (  # noqa: F401
     mutants_codec,
     mutants_dataplane,
     mutants_pipeline,
+    mutants_ring,
     mutants_stages,
     pipeline,
     race_6670,
     race_8082,
+    ring,
     stage_crash,
 )
 

@@ -71,11 +71,14 @@ def crash_scenario(
 # -- the two sides, recording content ------------------------------------------------------------
 
 
-async def send(req: EdgeRequest, chunk_frames: list[int]) -> None:
+async def send(req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.0) -> None:
     """The Talker's scheduler: one chunk per entry, the last one the terminal; every frame sent
-    is recorded. Stops when the request ended (or its process died: then it never returns)."""
+    is recorded. Stops when the request ended (or its process died: then it never returns).
+    ``pause_s``: a slow producer, computing that long before each chunk."""
     offset = 0
     for i, n in enumerate(chunk_frames):
+        if pause_s:
+            await current_kernel().sleep(pause_s)
         if req.stream.outcome != "open":
             return
         if i == len(chunk_frames) - 1:
@@ -92,14 +95,17 @@ async def send(req: EdgeRequest, chunk_frames: list[int]) -> None:
         offset += n
 
 
-async def receive(req: EdgeRequest, *, talker_alive: bool = True) -> float | None:
+async def receive(req: EdgeRequest, *, talker_alive: bool = True, pause_s: float = 0.0) -> float | None:
     """Code2Wav's side: register for each chunk, record its frames, until the terminal or a
-    failure the adapters report (or the client's patience runs out). The time it failed."""
+    failure the adapters report (or the client's patience runs out). The time it failed.
+    ``pause_s``: a slow consumer, idle that long before it asks for each chunk."""
     k = current_kernel()
     adapter = req.code2wav.adapter
     request = req.receiver
     started = k.now()
     while req.stream.outcome == "open":
+        if pause_s:
+            await k.sleep(pause_s)
         await adapter.load_async(request)
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
             await adapter.chunk_ready.wait(CONSUMER_WAIT_S)

@@ -386,8 +386,31 @@ INVALID = [
     ),
     (edit("deploy.stages.1.async_scheduling", "no"), "deploy.stages[1].async_scheduling: expected bool, got 'no'"),
     (edit("deploy.stages", {"stage_id": 0}), "deploy.stages: expected a list"),
+    (edit("deploy.transport", "pipes"), "deploy.transport: expected one of ring, segments"),
+    (edit("deploy.ring_bytes", 1000), "deploy.ring_bytes: expected an integer >= 65536, got 1000"),
+    (edit("deploy.ring_bytes", 65537), "deploy.ring_bytes: expected a multiple of 64 bytes, got 65537"),
+    (
+        edit("deploy.edges", [{"from_stage": 0, "to_stage": 2, "transport": "ring"}]),
+        "deploy.edges[0]: the pipeline has no edge 0 -> 2",
+    ),
+    (edit("deploy.edges", [{"from_stage": 0, "to_stage": 1}]), "deploy.edges[0].transport: required"),
+    (
+        edit("deploy.edges", [{"from_stage": 0, "to_stage": 1, "transport": "ring", "size": 3}]),
+        "deploy.edges[0].size: unknown key",
+    ),
     (edit("deploy", ["async_chunk"]), "deploy: expected a mapping, got ['async_chunk']"),
 ]
+
+
+def test_every_edge_is_on_the_ring_unless_the_deploy_says_otherwise() -> None:
+    raw = shipped_raw("qwen3_omni")
+    assert [build_pipeline(raw).deploy.transport_of(*e) for e in build_pipeline(raw).edges] == ["ring", "ring"]
+    raw["deploy"]["edges"] = [{"from_stage": 1, "to_stage": 2, "transport": "segments"}]
+    config = build_pipeline(raw)
+    assert [config.deploy.transport_of(*e) for e in config.edges] == ["ring", "segments"]
+    assert [config.with_transport("ring").deploy.transport_of(*e) for e in config.edges] == ["ring", "ring"]
+    with pytest.raises(ConfigError, match="transport: expected one of ring, segments, got 'pipes'"):
+        config.with_transport("pipes")
 
 
 @pytest.mark.parametrize(("mutate", "message"), INVALID, ids=[message[:60] for _, message in INVALID])

@@ -71,9 +71,17 @@ def test_some_mutant_makes_the_checker_fail_in_a_real_run(invariant: str) -> Non
     # the second pass does not stop, so every configuration of the scenario gets its turn.
     for budget, stop in ((300, True), (40, False)):
         for name in declaring:
-            for scenario in registry.MUTANTS[name].scenarios:
+            m = registry.MUTANTS[name]
+            for scenario in m.scenarios:
                 for strategy in ("random", "pct"):
-                    res = explore(scenario, strategy=strategy, budget=budget, mutant=name, stop_on_violation=stop)
+                    res = explore(
+                        scenario,
+                        strategy=strategy,
+                        budget=budget,
+                        mutant=name,
+                        stop_on_violation=stop,
+                        store=m.store or "memory",
+                    )
                     if invariant in res.invariants():
                         return
                     tried.append(f"{name} on {scenario} [{strategy}]: {res.invariants()}")

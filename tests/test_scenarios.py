@@ -46,7 +46,7 @@ def test_mutant_is_detected(mutant: str) -> None:
     for scenario in m.scenarios:
         strategies = ["pct", "random"] + (["ordered"] if registry.SCENARIOS[scenario].constraints else [])
         for strategy in strategies:
-            res = explore(scenario, strategy=strategy, budget=MUTANT_BUDGET, mutant=mutant)
+            res = explore(scenario, strategy=strategy, budget=MUTANT_BUDGET, mutant=mutant, store=m.store or "memory")
             if res.first_violation_after is not None:  # by an invariant it declares
                 assert set(res.invariants()) & set(m.expect)
                 return

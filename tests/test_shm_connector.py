@@ -74,7 +74,14 @@ async def test_put_get_round_trip(store: Store) -> None:
     assert pending(conn) == []  # a shared instance forgets the key it consumed
     assert residue(store) == ([], [])
     assert await conn.get("0", "1", "R_0_0") is None
-    assert conn.health() == {"status": "healthy", "puts": 1, "gets": 1, "bytes_transferred": result.size}
+    assert conn.health() == {
+        "status": "healthy",
+        "puts": 1,
+        "gets": 1,
+        "bytes_transferred": result.size,
+        "ring_puts": 0,
+        "ring_fallbacks": 0,
+    }
 
 
 async def test_get_by_metadata_handle(store: Store) -> None:

@@ -1,7 +1,8 @@
 """The deploy file: how a pipeline runs (the ``deploy:`` section).
 
-It holds the pipeline-wide ``async_chunk`` switch, each stage's opt-out and placement, and the
-codec chunk frame settings the Talker → Code2Wav processor reads. Upstream keeps the frame
+It holds the pipeline-wide ``async_chunk`` switch, each stage's opt-out and placement, how each
+edge hands chunks over (``transport``: a ring per edge, or a segment per chunk), and the codec
+chunk frame settings the Talker → Code2Wav processor reads. Upstream keeps the frame
 settings in the connector's ``extra`` config; there is one codec edge per pipeline here, so they
 sit at the top of the deploy section under upstream's key names.
 
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from runtime.config.fields import ConfigError, Fields
+
+#: Each edge's ring when the deploy file names no size (upstream's default, 4 MiB).
+DEFAULT_RING_BYTES = 4 << 20
+#: A ring is at least this big and a multiple of 64 bytes.
+MIN_RING_BYTES = 64 << 10
 
 
 class ConnectorRole(StrEnum):
@@ -54,6 +60,24 @@ class StageDeploy:
     connector_role: ConnectorRole | None = None
 
 
+class Transport(StrEnum):
+    """How an edge hands its chunks over (see :mod:`runtime.connectors.ring`)."""
+
+    #: Chunks up to a quarter of the edge's ring go on it; larger ones take segments.
+    RING = "ring"
+    #: Every chunk in a shared-memory segment of its own.
+    SEGMENTS = "segments"
+
+
+@dataclass(frozen=True)
+class EdgeDeploy:
+    """One edge's deploy settings (``deploy.edges[i]``)."""
+
+    from_stage: int
+    to_stage: int
+    transport: Transport
+
+
 @dataclass(frozen=True)
 class DeployConfig:
     """The deploy section; ``stages[i]`` belongs to stage ``i`` (absent stages get the defaults)."""
@@ -66,9 +90,18 @@ class DeployConfig:
     processes: bool = False
     #: What happens when a stage process dies: it is restarted (with back-off), or stays down.
     restart: str = "restart"
+    #: Every edge's transport unless ``edges`` says otherwise, and the size of each edge's ring.
+    transport: Transport = Transport.RING
+    ring_bytes: int = DEFAULT_RING_BYTES
+    edges: tuple[EdgeDeploy, ...] = ()
 
     def stage(self, stage_id: int) -> StageDeploy:
         return self.stages[stage_id]
+
+    def transport_of(self, from_stage: int, to_stage: int) -> Transport:
+        return next(
+            (e.transport for e in self.edges if (e.from_stage, e.to_stage) == (from_stage, to_stage)), self.transport
+        )
 
 
 DEPLOY_KEYS = (
@@ -79,7 +112,11 @@ DEPLOY_KEYS = (
     "stages",
     "processes",
     "restart",
+    "transport",
+    "ring_bytes",
+    "edges",
 )
+EDGE_KEYS = ("from_stage", "to_stage", "transport")
 RESTART_POLICIES = ("restart", "fail")
 STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -127,10 +164,26 @@ def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployCo
     restart = fields.get_str("restart", "restart")
     if restart not in RESTART_POLICIES:
         raise ConfigError(f"{fields.at('restart')}: expected one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
+    ring_bytes = fields.get_int("ring_bytes", DEFAULT_RING_BYTES, minimum=MIN_RING_BYTES)
+    if ring_bytes % 64:
+        raise ConfigError(f"{fields.at('ring_bytes')}: expected a multiple of 64 bytes, got {ring_bytes}")
+    edges = []
+    for i, entry in enumerate(fields.get_list("edges")):
+        edge_fields = Fields(entry, f"{fields.at('edges')}[{i}]", EDGE_KEYS)
+        edges.append(
+            EdgeDeploy(
+                edge_fields.get_int("from_stage", minimum=0),
+                edge_fields.get_int("to_stage", minimum=0),
+                edge_fields.get_enum("transport", Transport),
+            )
+        )
     return DeployConfig(
         async_chunk=fields.get_bool("async_chunk", True),
         chunking=chunking,
         stages=tuple(stages),
         processes=fields.get_bool("processes", False),
         restart=restart,
+        transport=fields.get_optional_enum("transport", Transport) or Transport.RING,
+        ring_bytes=ring_bytes,
+        edges=tuple(edges),
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from runtime.config import resolve
-from runtime.config.deploy import CodecChunking, DeployConfig, StageDeploy, check_device, parse_deploy
+from runtime.config.deploy import CodecChunking, DeployConfig, StageDeploy, Transport, check_device, parse_deploy
 from runtime.config.fields import ConfigError, Fields
 from runtime.config.resolve import Delivery, StageProcessors
 from runtime.config.topology import Edge, OutputType, StageSpec, Topology, parse_topology
@@ -101,6 +101,16 @@ class PipelineConfig:
     def _known(self, stage_id: int) -> int:
         """``stage_id``, or a KeyError naming the pipeline (a bare index would accept -1)."""
         return self.topology.stage(stage_id).stage_id
+
+    def with_transport(self, transport: str) -> PipelineConfig:
+        """The same pipeline with every edge on ``transport`` (a ``--transport`` override)."""
+        try:
+            chosen = Transport(transport)
+        except ValueError:
+            raise ConfigError(
+                f"transport: expected one of {', '.join(t.value for t in Transport)}, got {transport!r}"
+            ) from None
+        return dataclasses.replace(self, deploy=dataclasses.replace(self.deploy, transport=chosen, edges=()))
 
     def placed_on(self, device: str) -> PipelineConfig:
         """The same pipeline with every stage on ``device`` (a ``--device`` override)."""

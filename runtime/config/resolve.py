@@ -89,6 +89,12 @@ def validate(topology: Topology, deploy: DeployConfig) -> None:
     streams them. Both configurations hang at run time: chunks nobody reads, or a consumer parked
     in WAITING_FOR_CHUNK for a stream that never exists (#7505).
     """
+    for i, edge in enumerate(deploy.edges):
+        if Edge(edge.from_stage, edge.to_stage) not in topology.edges:
+            raise ConfigError(
+                f"deploy.edges[{i}]: the pipeline has no edge {edge.from_stage} -> {edge.to_stage} "
+                f"(its edges: {', '.join(f'{e.producer} -> {e.consumer}' for e in topology.edges)})"
+            )
     resolved = resolved_async_chunk(topology, deploy)
     receives = receiving_stages(topology, deploy)
     stages = topology.stages

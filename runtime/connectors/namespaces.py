@@ -39,6 +39,7 @@ ORPHAN_GRACE_S = 60.0
 _KINDS = {
     "seg": (stat.S_IFREG, 0o600),
     "lock": (stat.S_IFREG, 0o600),
+    "ring": (stat.S_IFREG, 0o600),
     OWNER_SUFFIX: (stat.S_IFREG, 0o600),
     "wake": (stat.S_IFDIR, 0o700),
 }

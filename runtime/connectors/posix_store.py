@@ -5,20 +5,24 @@ attributable to the run that made it.
 * owner record: ``/dev/shm/omnisim-{ns}-owner`` (see :mod:`runtime.connectors.namespaces`),
   written before anything else of the namespace exists;
 * segment of key K: ``/dev/shm/omnisim-{ns}-seg-K`` (``shm_open`` name ``/omnisim-{ns}-seg-K``);
-* lock file of key K: ``/dev/shm/omnisim-{ns}-lock-K``.
+* lock file of key K: ``/dev/shm/omnisim-{ns}-lock-K``;
+* ring of edge E: ``/dev/shm/omnisim-{ns}-ring-E``.
 
 Everything is created mode 0600 and only ever opened with ``O_NOFOLLOW``; an existing name that
 is not ours — another user's, another mode, a symlink, a folder — is refused as
 :class:`ForeignName`, never used, followed or removed. A segment is reserved with
 ``posix_fallocate`` before a byte is written, so a full /dev/shm is a clean :class:`StoreFull`;
 and segments are never mapped (they are written with ``pwrite`` and read with ``preadv``), so no
-SIGBUS is possible. Every ``OSError`` becomes a :class:`StoreError` naming the key and the cause.
+SIGBUS is possible. A ring is mapped (its control words are read and written per chunk), but only
+once ``posix_fallocate`` reserved every page of it: no write to it can fault for want of space.
+Every ``OSError`` becomes a :class:`StoreError` naming the key and the cause.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import re
 import secrets
@@ -77,6 +81,17 @@ def _check_ours(fd: int, key: str, kind: str) -> None:
         raise ForeignName(
             f"the {kind} of {key!r} is not ours (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): refused"
         )
+
+
+def _is_ours(path: str, what: str) -> bool:
+    """Whether ``path`` exists (ours to replace); :class:`ForeignName` if it is not ours."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != MODE:
+        raise ForeignName(f"cannot create {what}: its name is taken by something that is not ours")
+    return True
 
 
 class _PosixSegment:
@@ -163,6 +178,57 @@ class _PosixLock:
             self._on_close()
 
 
+class _PosixRing:
+    """A mapped ring; its lock is ``flock`` on its own descriptor (released by the kernel when
+    the process dies, so a holder killed mid-update never wedges the ring's other side)."""
+
+    def __init__(self, fd: int, size: int, on_close: Callable[[], None]) -> None:
+        self._fd = fd
+        self._held = False
+        self._on_close = on_close
+        self._map: mmap.mmap | None = mmap.mmap(fd, size)
+        self._view: memoryview | None = memoryview(self._map)
+
+    @property
+    def view(self) -> memoryview:
+        assert self._view is not None, "the ring was closed"
+        return self._view
+
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    def try_lock(self) -> bool:
+        if self._held or self._map is None:
+            return False  # ``flock`` would grant it again: another task of this process holds it
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        self._held = True
+        return True
+
+    def unlock(self) -> None:
+        if self._held:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held = False
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.unlock()
+        view, mapping = self._view, self._map
+        self._map = self._view = None
+        assert view is not None
+        try:
+            view.release()
+            mapping.close()
+        except BufferError:
+            pass  # a task stopped mid-copy still holds a slice: the mapping goes when it does
+        os.close(self._fd)
+        self._on_close()
+
+
 class PosixStore:
     """Real /dev/shm storage under one namespace (shared by every process of one pipeline run).
 
@@ -180,6 +246,7 @@ class PosixStore:
         self._stem = f"omnisim-{namespace}-"
         self._seg_prefix = f"{self._stem}seg-"
         self._lock_prefix = f"{self._stem}lock-"
+        self._ring_prefix = f"{self._stem}ring-"
         self.owner_path = os.path.join(SHM_DIR, f"{self._stem}{OWNER_SUFFIX}")
         self.handles = OpenHandles()
         if claim:
@@ -208,14 +275,8 @@ class PosixStore:
         return _PosixSegment(key, shm.fd, 0, self.handles.opened(f"segment {key}"))
 
     def _unlink_own_segment(self, key: str) -> None:
-        path = self.segment_path(key)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != MODE:
-            raise ForeignName(f"cannot create segment {key!r}: its name is taken by something that is not ours")
-        self.unlink_segment(key)
+        if _is_ours(self.segment_path(key), f"segment {key!r}"):
+            self.unlink_segment(key)
 
     def open_segment(self, key: str) -> _PosixSegment | None:
         with _translated("open segment", key):
@@ -267,6 +328,54 @@ class PosixStore:
         except OSError as e:
             raise _store_error("remove the lock file of", key, e) from None
         return True
+
+    def create_ring(self, edge: str, capacity: int) -> _PosixRing:
+        name = "/" + self._ring_prefix + validate_key(edge)
+        with _translated("create ring", edge):
+            try:
+                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
+            except posix_ipc.ExistentialError:
+                if _is_ours(os.path.join(SHM_DIR, self._ring_prefix + edge), f"ring {edge!r}"):
+                    self.unlink_ring(edge)
+                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
+        try:
+            os.posix_fallocate(shm.fd, 0, capacity)
+            return _PosixRing(shm.fd, capacity, self.handles.opened(f"ring {edge}"))
+        except BaseException as e:
+            os.close(shm.fd)
+            self.unlink_ring(edge)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
+                raise StoreFull(edge, capacity) from None
+            if isinstance(e, OSError):
+                raise _store_error("reserve ring", edge, e) from None
+            raise
+
+    def open_ring(self, edge: str) -> _PosixRing | None:
+        with _translated("open ring", edge):
+            try:
+                shm = posix_ipc.SharedMemory("/" + self._ring_prefix + validate_key(edge))
+            except posix_ipc.ExistentialError:
+                return None
+        try:
+            _check_ours(shm.fd, edge, "ring")
+            size = os.fstat(shm.fd).st_size
+            if size == 0:
+                raise ForeignName(f"ring {edge!r} has no bytes yet: its maker is still reserving them")
+            return _PosixRing(shm.fd, size, self.handles.opened(f"ring {edge}"))
+        except BaseException:
+            os.close(shm.fd)
+            raise
+
+    def unlink_ring(self, edge: str) -> bool:
+        with _translated("remove ring", edge):
+            try:
+                posix_ipc.unlink_shared_memory("/" + self._ring_prefix + validate_key(edge))
+            except posix_ipc.ExistentialError:
+                return False
+        return True
+
+    def rings(self) -> list[str]:
+        return self._listed(self._ring_prefix)
 
     def _listed(self, prefix: str) -> list[str]:
         return sorted(n[len(prefix) :] for n in os.listdir(SHM_DIR) if n.startswith(prefix))

@@ -14,6 +14,14 @@ Who creates and who removes:
   (and the lock file such a consumer may have left if it died before removing it);
 * ``close`` removes every key this connector still tracks.
 
+With a ring (``send_ring``), a payload up to a fraction of the ring goes on the edge's ring
+(:mod:`runtime.connectors.ring`) instead of a segment of its own, by the same steps: a frame
+reserved (``shm.put.created``), written, then committed last; a reader takes it while it holds the
+ring's lock, so no cleanup or later frame can touch it mid-copy; ``cleanup`` cancels it. A put
+that finds the ring full waits a moment for room and then takes a segment: never dropped, never
+blocked for long. A key lives in one place at a time: a put replaces the unread payload of its
+key wherever it is.
+
 Nothing here waits without a bound (a lock file held by someone else is waited for at most
 ``lock_timeout_s``) and no storage error escapes as a raw exception: a put that meets one reports
 failure with its cause and leaves nothing behind; a get never loses a payload it consumed.
@@ -21,16 +29,19 @@ failure with its cause and leaves nothing behind; a get never loses a payload it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk, PutResult
-from runtime.connectors.keys import validate_key
+from runtime.connectors.keys import InvalidKeyError, validate_key
+from runtime.connectors.ring import Ring, RingSettings, locked
 from runtime.connectors.stores import LockFile, Segment, Store, StoreError
 from runtime.connectors.wakeup import Wakeups
-from runtime.connectors.wire import EncodedFrame, FrameDecoder, WireDecodeError, WireEncodeError
+from runtime.connectors.wire import BufferIO, EncodedFrame, FrameDecoder, FrameIO, WireDecodeError, WireEncodeError
 from runtime.kernel import current_kernel
 
 log = logging.getLogger(__name__)
@@ -65,11 +76,24 @@ class ShmConnector:
         lock_timeout_s: float = LOCK_TIMEOUT_S,
         upstream: Store | None = None,
         upstream_alive: Callable[[], bool] | None = None,
+        send_ring: RingSettings | None = None,
+        receive_ring: bool = False,
     ) -> None:
         """``store``: where this stage's puts go (its own namespace). ``upstream``: where the
         stage it receives from puts (default: the same store, stages of one process);
-        ``upstream_alive`` says whether that producer still lives (default: it always does)."""
+        ``upstream_alive`` says whether that producer still lives (default: it always does).
+        ``send_ring``: put small payloads on a ring per edge; ``receive_ring``: look for the
+        payloads this stage gets on its producer's ring first."""
         self.store = store
+        self.send_ring = send_ring
+        self.receive_ring = receive_ring
+        #: This connector's rings, by edge name, and the ones it reads, with the store they are in.
+        self._send_rings: dict[str, Ring] = {}
+        self._receive_rings: dict[str, tuple[Store, Ring]] = {}
+        #: Where each tracked key that went on a ring is: (edge, frame position).
+        self._ring_keys: dict[str, tuple[str, int]] = {}
+        #: Ring frames a cleanup could not cancel yet (a reader held the ring): retried by reaps.
+        self._cancels_pending: dict[str, tuple[str, int]] = {}
         self.upstream = upstream if upstream is not None else store
         self._upstream_alive = upstream_alive
         self.stage_id = stage_id
@@ -83,6 +107,8 @@ class ShmConnector:
         self._puts = 0
         self._gets = 0
         self._bytes = 0
+        self._ring_puts = 0
+        self._ring_fallbacks = 0
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -99,7 +125,8 @@ class ShmConnector:
             await k.point("shm.put.begin", key=put_key)
             self.reap_consumed(max_keys=PUT_REAP_BUDGET)
             frame = EncodedFrame(data)
-            await self._write_locked(put_key, frame)
+            if not await self._put_on_ring(from_stage, to_stage, put_key, frame):
+                await self._write_locked(put_key, frame)
         except (StoreError, WireEncodeError) as e:
             log.warning("put of %s failed: %s", put_key, e)
             k.note("shm.put.failed", key=put_key, error=type(e).__name__)
@@ -111,6 +138,129 @@ class ShmConnector:
         self._bytes += frame.size
         await k.point("shm.put.end", key=put_key)
         return PutResult(True, frame.size, {"shm": {"name": put_key, "size": frame.size}, "size": frame.size})
+
+    async def _put_on_ring(self, from_stage: str, to_stage: str, key: str, frame: EncodedFrame) -> bool:
+        """Put ``frame`` on the edge's ring; False if it goes to a segment instead (no ring, too
+        large, the key's unread payload is in a segment, or the ring stayed full or held).
+
+        Either way the key's unread ring frame, if any, is cancelled first: the new payload
+        replaces it. A reader copying out holds the ring; the put waits for it as long as for a
+        key's lock file, then fails (:class:`LockTimeout`) rather than leave the old frame readable."""
+        k = current_kernel()
+        await self._cancel_ring_frame(key, wait_s=self.lock_timeout_s)
+        settings = self.send_ring
+        ring = self._send_ring(from_stage, to_stage) if settings is not None else None
+        in_segment = key in self._pending_keys and key not in self._ring_keys
+        if ring is None or settings is None or in_segment or frame.size > settings.max_payload:
+            return False
+        await k.point("shm.put.locked", key=key)
+        edge = rings.edge_name(from_stage, to_stage)
+        deadline = k.now() + settings.full_wait_s
+        reserved = None
+        while reserved is None:
+            room = self._wakeups.generation(rings.room_channel(edge)) if self._wakeups is not None else None
+            with contextlib.suppress(rings.RingBusy):
+                async with locked(ring.memory, wait_s=max(0.0, deadline - k.now()), key=key):
+                    reserved = ring.reserve(key, frame.size)
+                    if reserved is None:
+                        ring.want_room()
+            if reserved is None:
+                if k.now() >= deadline:
+                    self._ring_fallbacks += 1
+                    k.note("ring.full", key=key)
+                    return False
+                # At least one back-off step: a remainder of a few ulps would never let time move.
+                await self._wait_for_room(edge, room, max(deadline - k.now(), rings.LOCK_RETRY_S))
+        self._ring_keys[key] = (edge, reserved.pos)
+        await k.point("shm.put.created", key=key)
+        await k.point("shm.put.reserved", key=key)
+        try:
+            with ring.payload(reserved) as view:
+                io = BufferIO(view)
+                try:
+                    checksum = await self._write_body(frame, io)
+                    await k.point("shm.put.written", key=key)
+                    frame.commit(io, checksum)
+                finally:
+                    io.close()
+            await k.point("shm.put.committed", key=key)
+        except BaseException:
+            if not ring.memory.closed:  # (closed: this process died; it writes nothing more)
+                ring.set_state(reserved, rings.CANCELLED)  # a WRITING frame is its producer's alone
+            self._ring_keys.pop(key, None)
+            raise
+        ring.commit(reserved)  # published: from here on a reader may take it
+        self._ring_puts += 1
+        return True
+
+    async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> None:
+        """Until a reader of ``edge``'s ring released space (or ``timeout``); without wakeups,
+        a short sleep."""
+        if self._wakeups is None or generation is None:
+            await current_kernel().sleep(min(timeout, rings.LOCK_RETRY_MAX_S))
+        else:
+            await self._wakeups.wait_for_change(rings.room_channel(edge), generation, timeout=timeout)
+
+    def _send_ring(self, from_stage: str, to_stage: str) -> Ring | None:
+        """The ring of this edge, made on its first use; None if it cannot be made (the puts
+        of the edge then take segments, and the next put tries again)."""
+        edge = rings.edge_name(from_stage, to_stage)
+        ring = self._send_rings.get(edge)
+        if ring is not None or self.send_ring is None:
+            return ring
+        try:
+            validate_key(edge)
+            predecessor = self.store.open_ring(edge)
+            if predecessor is not None:  # a consumer may still map it: tell it to let go
+                rings.Ring(predecessor).retire()
+                predecessor.close()
+            memory = self.store.create_ring(edge, self.send_ring.capacity)
+        except (StoreError, InvalidKeyError) as e:
+            log.warning("no ring for the edge %s -> %s (its puts take segments): %s", from_stage, to_stage, e)
+            return None
+        ring = self._send_rings[edge] = Ring.made(memory, self.store.owner())
+        return ring
+
+    async def _cancel_ring_frame(self, key: str, *, wait_s: float) -> bool:
+        """Cancel the ring frame of ``key`` this connector put, if nobody took it yet; True if
+        it did. A reader copying out holds the ring: waiting ``wait_s`` for it at most, the
+        cancel is then left to the later sweeps of :meth:`reap_consumed` and
+        :class:`LockTimeout` raised if ``wait_s`` was a put's (its new payload must not go
+        anywhere while the old one is readable)."""
+        placed = self._ring_keys.pop(key, None) or self._cancels_pending.pop(key, None)
+        if placed is None:
+            return False
+        ring = self._send_rings[placed[0]]
+        try:
+            async with locked(ring.memory, wait_s=wait_s, key=key):
+                return self._cancel_locked(placed[0], key, placed[1])
+        except rings.RingBusy:
+            self._cancels_pending[key] = placed
+            if wait_s >= self.lock_timeout_s:
+                raise LockTimeout(
+                    f"the ring holding the unread payload of {key!r} stayed held for {wait_s:g}s"
+                ) from None
+            return False
+
+    def _cancel_locked(self, edge: str, key: str, pos: int) -> bool:
+        """With the ring's lock held: cancel ``key``'s frame at ``pos`` if it is still being
+        written or unread, and release the space it held."""
+        ring = self._send_rings[edge]
+        if pos < ring.tail:
+            return False
+        frame = ring.frame(pos)
+        if frame.key != key or frame.state not in (rings.WRITING, rings.READY):
+            return False
+        ring.set_state(frame, rings.CANCELLED)
+        self._release(ring, edge)
+        return True
+
+    def _release(self, ring: Ring, edge: str) -> None:
+        """With the ring's lock held: release the finished frames at its front, and wake the
+        producer if it waits for room."""
+        ring.release_finished()
+        if ring.room_was_wanted() and self._wakeups is not None:
+            self._wakeups.notify(rings.room_channel(edge))
 
     async def _write_locked(self, key: str, frame: EncodedFrame) -> None:
         # The lock file is taken *before* the segment exists and released only once the frame is
@@ -139,7 +289,7 @@ class ShmConnector:
             lock.close()
 
     @staticmethod
-    async def _write_body(frame: EncodedFrame, segment: Segment) -> int:
+    async def _write_body(frame: EncodedFrame, segment: FrameIO) -> int:
         """Copy the frame's body into the segment; its checksum. A large frame's checksum is
         computed beside the copy (it reads only the payload's memory), not after it."""
         k = current_kernel()
@@ -228,6 +378,15 @@ class ShmConnector:
         k = current_kernel()
         key = validate_key(self._resolve_key(get_key, metadata))
         await k.point("shm.get.begin", key=key)
+        ring = self._receive_ring(from_stage, to_stage) if self.receive_ring else None
+        if ring is not None:
+            try:
+                async with locked(ring.memory, wait_s=rings.LOCK_WAIT_S, key=key):
+                    frame = ring.find(key)
+                    if frame is not None:
+                        return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
+            except rings.RingBusy:
+                return None  # another reader is copying out: nothing for this key just now
         try:
             lock = self.upstream.open_lock(key, create=False)
         except StoreError as e:
@@ -248,13 +407,76 @@ class ShmConnector:
             obj, size, error = await self._consume(key, segment, lock)
         finally:
             lock.close()
+        return self._taken(key, obj, size, error)
+
+    def _taken(self, key: str, obj: Any, size: int, error: Exception | None) -> tuple[Any, int]:
+        """What a get that consumed ``key``'s bytes returns: the payload, or (bytes that were
+        not an intact frame) a :class:`CorruptChunk` naming the key."""
         if error is not None:
             log.warning("dropped the corrupt chunk %s: %s", key, error)
-            k.note("shm.get.corrupt", key=key)
+            current_kernel().note("shm.get.corrupt", key=key)
             raise CorruptChunk(key, str(error))
         self._pending_keys.pop(key, None)
         self._gets += 1
         return obj, size
+
+    async def _take_from_ring(
+        self, ring: Ring, frame: rings.Frame, claim: Callable[[], bool] | None, edge: str
+    ) -> tuple[Any, int] | None:
+        """With the ring's lock held: copy ``frame`` out, then mark it DONE — decoded or not."""
+        k = current_kernel()
+        key = frame.key
+        if claim is not None and not claim():
+            return None
+        await k.point("shm.get.locked", key=key)
+        error: Exception | None = None
+        obj: Any = None
+        with ring.payload(frame) as view:
+            io = BufferIO(view)
+            try:
+                obj = await self._decode(io)
+            except WireDecodeError as e:
+                error = e
+            finally:
+                io.close()
+        ring.set_state(frame, rings.DONE)
+        self._release(ring, edge)
+        try:
+            await k.point("shm.get.consumed", key=key)
+        except WireDecodeError as e:
+            error = e
+        k.note("shm.get.unlocked", key=key)
+        return self._taken(key, obj, frame.payload_len, error)
+
+    def _receive_ring(self, from_stage: str, to_stage: str) -> Ring | None:
+        """The producer's ring of this edge, if it has one this connector may read: made by the
+        owner of the producer's namespace and not retired (a replaced producer's old ring)."""
+        edge = rings.edge_name(from_stage, to_stage)
+        cached = self._receive_rings.get(edge)
+        if cached is not None:
+            store, ring = cached
+            if store is self.upstream and not ring.retired:
+                return ring
+            ring.memory.close()
+            del self._receive_rings[edge]
+        try:
+            memory = self.upstream.open_ring(validate_key(edge))
+        except (StoreError, InvalidKeyError):
+            return None
+        if memory is None:
+            return None
+        ring = Ring(memory)
+        owner = self.upstream.owner()
+        if (
+            not ring.well_formed()
+            or ring.retired
+            or (owner is not None and ring.producer() != (owner.pid, owner.start_ticks))
+        ):
+            current_kernel().note("ring.refused", edge=edge)
+            memory.close()
+            return None
+        self._receive_rings[edge] = (self.upstream, ring)
+        return ring
 
     async def _consume(self, key: str, segment: Segment, lock: LockFile) -> tuple[Any, int, Exception | None]:
         """Copy the payload out, then remove the segment and lock file — decoded or not."""
@@ -284,7 +506,7 @@ class ShmConnector:
         return obj, size, error
 
     @staticmethod
-    async def _decode(segment: Segment) -> Any:
+    async def _decode(segment: FrameIO) -> Any:
         """Decode a segment's frame. For a large one the checksum of the segment's bytes is
         computed beside the copy of them, not after it (both hold the key's lock: the bytes
         cannot change in between)."""
@@ -328,6 +550,11 @@ class ShmConnector:
         validate_key(key)
         await k.point("shm.cleanup.begin", key=key)
         self._pending_keys.pop(key, None)
+        if key in self._ring_keys or key in self._cancels_pending:
+            removed = await self._cancel_ring_frame(key, wait_s=rings.LOCK_WAIT_S)
+            if removed:
+                k.note("shm.cleanup.unlinked", key=key)
+            return removed
         try:
             removed = self.store.unlink_segment(key)
         except StoreError as e:
@@ -376,13 +603,37 @@ class ShmConnector:
         unread to the back, so unread keys never starve the rest."""
         for _ in range(min(max_keys, len(self._pending_keys))):
             key, _ = self._pending_keys.popitem(last=False)
-            if self.store.segment_exists(key):
+            if key in self._ring_keys:
+                if self._on_ring(key):
+                    self._pending_keys[key] = None
+            elif self.store.segment_exists(key):
                 self._pending_keys[key] = None
             else:
                 self._remove_idle_lock(key)
         for key in list(self._held_locks)[:max_keys]:
             if key not in self._pending_keys and not self.store.segment_exists(key):
                 self._remove_idle_lock(key)
+        for key, (edge, pos) in list(self._cancels_pending.items())[:max_keys]:
+            memory = self._send_rings[edge].memory
+            if memory.try_lock():
+                try:
+                    self._cancel_locked(edge, key, pos)
+                finally:
+                    memory.unlock()
+                del self._cancels_pending[key]
+
+    def _on_ring(self, key: str) -> bool:
+        """Whether ``key``'s ring frame is still unread; forgets it if not. (Read without the
+        lock: only this process reuses the ring's space, and a frame taken meanwhile is simply
+        looked at again by the next sweep.)"""
+        edge, pos = self._ring_keys[key]
+        ring = self._send_rings[edge]
+        if pos >= ring.tail:
+            frame = ring.frame(pos)
+            if frame.key == key and frame.state in (rings.WRITING, rings.READY):
+                return True
+        del self._ring_keys[key]
+        return False
 
     # -- wakeups, health, residue, close -----------------------------------------------------
 
@@ -408,10 +659,21 @@ class ShmConnector:
         return self._upstream_alive is None or self._upstream_alive()
 
     def health(self) -> dict[str, Any]:
-        return {"status": "healthy", "puts": self._puts, "gets": self._gets, "bytes_transferred": self._bytes}
+        return {
+            "status": "healthy",
+            "puts": self._puts,
+            "gets": self._gets,
+            "bytes_transferred": self._bytes,
+            "ring_puts": self._ring_puts,
+            "ring_fallbacks": self._ring_fallbacks,
+        }
 
     def residue(self) -> dict[str, list[str]]:
-        return {"pending_keys": list(self._pending_keys), "held_locks": list(self._held_locks)}
+        return {
+            "pending_keys": list(self._pending_keys),
+            "held_locks": list(self._held_locks),
+            "cancels_pending": list(self._cancels_pending),
+        }
 
     async def close(self) -> None:
         """Remove every tracked key, unread ones included. Idempotent."""
@@ -420,5 +682,15 @@ class ShmConnector:
         self._closed = True
         for key in list(self._pending_keys):
             await self.cleanup(key)
+        for edge, ring in self._send_rings.items():
+            ring.memory.close()
+            try:
+                self.store.unlink_ring(edge)
+            except StoreError as e:
+                log.warning("could not remove the ring %s: %s", edge, e)
+        for _, ring in self._receive_rings.values():
+            ring.memory.close()
+        self._send_rings.clear()
+        self._receive_rings.clear()
         if self._wakeups is not None:
             self._wakeups.close()

@@ -1,7 +1,8 @@
 """Where segments and their lock files live: the store interface and the in-memory store.
 
-A *store* is the file system underneath a shared-memory connector: named byte segments and named
-lock files, both scoped to a namespace whose owner is recorded. :class:`PosixStore
+A *store* is the file system underneath a shared-memory connector: named byte segments, named
+lock files and named rings (one per stage edge, see :mod:`runtime.connectors.ring`), all scoped
+to a namespace whose owner is recorded. :class:`PosixStore
 <runtime.connectors.posix_store.PosixStore>` is the real one (POSIX shared memory plus ``flock``'d
 lock files under /dev/shm); :class:`MemoryStore` keeps the same semantics in dictionaries, so a
 simulated run explores thousands of schedules a second without touching the OS.
@@ -13,6 +14,7 @@ is :class:`ForeignName`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections import Counter
 from collections.abc import Callable
@@ -63,6 +65,29 @@ class LockFile(Protocol):
     def close(self) -> None: ...
 
 
+class RingMemory(Protocol):
+    """The shared bytes of one ring, reserved in full when it was made (a write to them can
+    never fault for want of space), and the lock that guards its control words. The lock is only
+    ever tried (a waiter backs off through the kernel); it excludes other processes and, per
+    handle, other tasks of this one; a process's death releases it."""
+
+    @property
+    def view(self) -> memoryview:
+        """The ring's bytes, writable (valid until :meth:`close`)."""
+        ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def try_lock(self) -> bool: ...
+
+    def unlock(self) -> None: ...
+
+    def close(self) -> None:
+        """Release the lock if held and let go of the bytes (what a process's death does too)."""
+        ...
+
+
 class Store(Protocol):
     namespace: str
 
@@ -85,6 +110,19 @@ class Store(Protocol):
         ...
 
     def remove_lock(self, key: str) -> bool: ...
+
+    def create_ring(self, edge: str, capacity: int) -> RingMemory:
+        """Make the ring ``edge`` (a valid key), ``capacity`` zero bytes reserved in full,
+        replacing one of ours of the same name; :class:`StoreFull` if there is no room."""
+        ...
+
+    def open_ring(self, edge: str) -> RingMemory | None:
+        """The existing ring ``edge``; None if there is none."""
+        ...
+
+    def unlink_ring(self, edge: str) -> bool: ...
+
+    def rings(self) -> list[str]: ...
 
     def segments(self) -> list[str]:
         """Keys of every segment of this namespace, sorted."""
@@ -195,6 +233,49 @@ class _MemSegment(_MemReader):
         self._view = memoryview(self._data).cast("B")
 
 
+class _RingInode:
+    def __init__(self, capacity: int) -> None:
+        self.data = bytearray(capacity)
+        self.held = False
+
+
+class _MemRing:
+    """A ring in memory; its lock, like ``flock``, belongs to the open ring, not to the name."""
+
+    def __init__(self, inode: _RingInode, on_close: Callable[[], None]) -> None:
+        self._inode = inode
+        self._held = False
+        self._on_close = on_close
+        self._view: memoryview | None = memoryview(inode.data)
+
+    @property
+    def view(self) -> memoryview:
+        assert self._view is not None, "the ring was closed"
+        return self._view
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    def try_lock(self) -> bool:
+        if self._inode.held or self._view is None:
+            return False
+        self._inode.held = self._held = True
+        return True
+
+    def unlock(self) -> None:
+        if self._held:
+            self._inode.held = self._held = False
+
+    def close(self) -> None:
+        if self._view is not None:
+            self.unlock()
+            view, self._view = self._view, None
+            with contextlib.suppress(BufferError):  # a task stopped mid-copy still holds a slice
+                view.release()
+            self._on_close()
+
+
 class MemoryStore:
     """Segments and lock files in dictionaries; ``capacity`` bytes in all (None: unbounded).
 
@@ -208,10 +289,11 @@ class MemoryStore:
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
         self._locks: dict[str, _LockInode] = {}
+        self._rings: dict[str, _RingInode] = {}
         self.handles = OpenHandles()
 
     def used(self) -> int:
-        return sum(len(b) for b in self._segments.values())
+        return sum(len(b) for b in self._segments.values()) + sum(len(r.data) for r in self._rings.values())
 
     def create_segment(self, key: str) -> _MemSegment:
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
@@ -240,6 +322,23 @@ class MemoryStore:
     def remove_lock(self, key: str) -> bool:
         return self._locks.pop(key, None) is not None
 
+    def create_ring(self, edge: str, capacity: int) -> _MemRing:
+        self._rings.pop(edge, None)
+        if self.capacity is not None and self.used() + capacity > self.capacity:
+            raise StoreFull(edge, capacity)
+        inode = self._rings[edge] = _RingInode(capacity)
+        return _MemRing(inode, self.handles.opened(f"ring {edge}"))
+
+    def open_ring(self, edge: str) -> _MemRing | None:
+        inode = self._rings.get(edge)
+        return None if inode is None else _MemRing(inode, self.handles.opened(f"ring {edge}"))
+
+    def unlink_ring(self, edge: str) -> bool:
+        return self._rings.pop(edge, None) is not None
+
+    def rings(self) -> list[str]:
+        return sorted(self._rings)
+
     def segments(self) -> list[str]:
         return sorted(self._segments)
 
@@ -254,8 +353,10 @@ class MemoryStore:
 
     def sweep(self) -> list[str]:
         removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
+        removed += [f"ring {k}" for k in self.rings()]
         self._segments.clear()
         self._locks.clear()
+        self._rings.clear()
         if self._owner is not None:
             removed.append("owner")
             self._owner = None

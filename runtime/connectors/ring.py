@@ -1,0 +1,326 @@
+"""The per-edge ring: the small chunks of one stage edge in one shared, pre-reserved region.
+
+A fresh segment per chunk pays for two file creations, a reservation and the page faults of new
+memory on every chunk; the Thinker → Talker edge sends one small chunk per token. A ring pays
+those once per edge (upstream's ``HostRingTransport`` is the same idea). Payloads larger than a
+fraction of the ring go to per-key segments as before; a chunk is found by its key either way, so
+which way a chunk went never changes the order a receiver takes them in.
+
+Layout (little endian)::
+
+    header, 64 bytes: b"OMRG" | u32 version | u64 capacity | u64 head | u64 tail
+                      | u32 producer pid | u32 retired | u64 producer start ticks
+                      | u32 room wanted | zeros
+    frames after it, each 64-byte aligned:
+        u32 state | u32 key length | u64 payload length | u64 span | key | zeros | payload
+
+The payload is a whole wire frame (:mod:`runtime.connectors.wire`), commit trailer and checksum
+included. ``head`` and ``tail`` count the bytes ever reserved and released (they only grow); a
+frame lives at ``64 + pos % (capacity - 64)``. A frame that would run past the end is preceded by
+a PAD frame filling the rest, so every frame is contiguous.
+
+States, and the moves between them::
+
+    WRITING --commit--> READY --take--> DONE
+       |                  |
+       +---abandon--------+---cancel--> CANCELLED
+
+The producer writes a WRITING frame's payload without the lock (no one reads a WRITING frame)
+and commits only once every byte is in place: a producer killed mid-write leaves a WRITING frame,
+never a READY one. The consumer holds the lock from the moment it finds its frame until it marked
+it DONE, the copy-out included, so neither a cancel nor the producer's next frame can touch the
+bytes being read; a consumer killed mid-copy releases the lock with its death and leaves the frame
+READY, as a reader killed mid-copy leaves a segment. ``tail`` moves past a frame only once it is
+DONE, CANCELLED or PAD: space is reused only when nothing in it can be read any more.
+
+A put that finds no room says so in the header (*room wanted*, under the lock) and waits on the
+edge's room wakeup; a reader that releases space under the lock and finds room wanted clears it
+and wakes the producer. (The lock orders the two, so the wakeup is never lost; and the wait is
+bounded all the same, after which the put takes a segment.)
+
+Nobody waits long for the lock. A reader stopped mid-copy (SIGSTOP) holds it until it goes on
+or dies; meanwhile puts take segments, gets find nothing yet, and a cancel is left to the
+producer's later sweeps, which retry it.
+
+A WRITING frame is its producer's alone: the producer commits it (or abandons it, when the write
+raised) without the lock; the one move it races with, a cancel by another task of the same
+process, never runs in between.
+
+The producer records its identity (pid and start time) in the header; a consumer attaches only to
+a ring whose producer is its namespace's owner, and a producer that replaces a ring marks the old
+one *retired*, so a consumer still mapping it lets go.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from runtime.config.deploy import DEFAULT_RING_BYTES
+from runtime.connectors.namespaces import Owner
+from runtime.connectors.stores import RingMemory, Store, StoreError
+from runtime.kernel import current_kernel
+
+MAGIC = b"OMRG"
+VERSION = 1
+#: magic, version, capacity, head, tail, producer pid, retired, producer start ticks.
+HEADER = struct.Struct("<4sIQQQIIQ")
+HEADER_SIZE = 64
+_HEAD_AT = 16
+_TAIL_AT = 24
+_RETIRED_AT = 36
+_ROOM_WANTED_AT = 48
+#: state, key length, payload length, span.
+FRAME = struct.Struct("<IIQQ")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+ALIGN = 64
+
+WRITING, READY, DONE, CANCELLED, PAD = 1, 2, 3, 4, 5
+STATE_NAMES = {WRITING: "writing", READY: "ready", DONE: "done", CANCELLED: "cancelled", PAD: "pad"}
+
+#: A ring's size when the deploy file names none (upstream's default).
+DEFAULT_CAPACITY = DEFAULT_RING_BYTES
+#: Payloads up to this share of a ring go on it; larger ones go to their own segment.
+MAX_FRAME_FRACTION = 0.25
+#: How long a put waits for room on a full ring before it takes a segment instead.
+FULL_WAIT_S = 0.005
+#: How long a get or a cleanup waits for the ring's lock (a reader holds it for one copy-out)
+#: before it leaves the ring for now: a get finds nothing yet, a cancel is retried by later sweeps.
+LOCK_WAIT_S = 0.05
+LOCK_RETRY_S = 0.00005
+LOCK_RETRY_MAX_S = 0.002
+
+
+class RingBusy(StoreError):
+    """The ring's lock stayed held for longer than the caller may wait (a reader stopped mid-copy
+    holds it until it goes on or dies)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class RingSettings:
+    """How the rings of one connector are made."""
+
+    capacity: int = DEFAULT_CAPACITY
+    max_frame_fraction: float = MAX_FRAME_FRACTION
+    full_wait_s: float = FULL_WAIT_S
+
+    def __post_init__(self) -> None:
+        if self.capacity < 4 * ALIGN or self.capacity % ALIGN:
+            raise ValueError(f"a ring's capacity must be a multiple of {ALIGN} and at least {4 * ALIGN} bytes")
+        if not 0 < self.max_frame_fraction <= 0.5:
+            raise ValueError("a ring's max_frame_fraction must be in (0, 0.5]")
+
+    @property
+    def max_payload(self) -> int:
+        return int((self.capacity - HEADER_SIZE) * self.max_frame_fraction)
+
+
+def edge_name(from_stage: str, to_stage: str) -> str:
+    return f"edge_{from_stage}_{to_stage}"
+
+
+def room_channel(edge: str) -> str:
+    """The wakeup channel on which a ring's producer waits for room."""
+    return f"room_{edge}"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A frame as the ring holds it now."""
+
+    pos: int
+    state: int
+    key: str
+    payload_at: int
+    payload_len: int
+    span: int
+
+
+class Ring:
+    """One side's view of a ring. Every method but :meth:`payload` expects the lock held."""
+
+    def __init__(self, memory: RingMemory) -> None:
+        self.memory = memory
+        self.view = memory.view
+        self.capacity = len(self.view)
+        self.data_size = self.capacity - HEADER_SIZE
+
+    # -- the header --------------------------------------------------------------------------
+
+    @classmethod
+    def made(cls, memory: RingMemory, producer: Owner | None) -> Ring:
+        ring = cls(memory)
+        pid, ticks = (producer.pid, producer.start_ticks) if producer is not None else (0, 0)
+        HEADER.pack_into(ring.view, 0, MAGIC, VERSION, ring.capacity, 0, 0, pid, 0, ticks)
+        return ring
+
+    def well_formed(self) -> bool:
+        magic, version, capacity, head, tail, *_ = HEADER.unpack_from(self.view, 0)
+        return (
+            magic == MAGIC
+            and version == VERSION
+            and capacity == self.capacity
+            and tail <= head <= tail + self.data_size
+        )
+
+    def producer(self) -> tuple[int, int]:
+        fields = HEADER.unpack_from(self.view, 0)
+        return fields[5], fields[7]
+
+    @property
+    def head(self) -> int:
+        return _U64.unpack_from(self.view, _HEAD_AT)[0]
+
+    @property
+    def tail(self) -> int:
+        return _U64.unpack_from(self.view, _TAIL_AT)[0]
+
+    @property
+    def retired(self) -> bool:
+        return bool(_U32.unpack_from(self.view, _RETIRED_AT)[0])
+
+    def retire(self) -> None:
+        _U32.pack_into(self.view, _RETIRED_AT, 1)
+
+    def want_room(self) -> None:
+        _U32.pack_into(self.view, _ROOM_WANTED_AT, 1)
+
+    def room_was_wanted(self) -> bool:
+        """Whether a producer waits for room (the flag is cleared: one wakeup answers it)."""
+        if not _U32.unpack_from(self.view, _ROOM_WANTED_AT)[0]:
+            return False
+        _U32.pack_into(self.view, _ROOM_WANTED_AT, 0)
+        return True
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def _at(self, pos: int) -> int:
+        return HEADER_SIZE + pos % self.data_size
+
+    def frame(self, pos: int) -> Frame:
+        at = self._at(pos)
+        state, key_len, payload_len, span = FRAME.unpack_from(self.view, at)
+        key = bytes(self.view[at + FRAME.size : at + FRAME.size + key_len]).decode("ascii", "replace")
+        return Frame(pos, state, key, at + _align(FRAME.size + key_len), payload_len, span)
+
+    def frames(self) -> Iterator[Frame]:
+        """Every frame between tail and head, oldest first."""
+        pos, head = self.tail, self.head
+        while pos < head:
+            frame = self.frame(pos)
+            if frame.span <= 0:
+                return  # a producer killed between reserving a frame and describing it
+            yield frame
+            pos += frame.span
+
+    def find(self, key: str) -> Frame | None:
+        """The unread frame of ``key``, if the ring holds one."""
+        encoded = key.encode("ascii")
+        pos, head = self.tail, self.head
+        while pos < head:
+            at = self._at(pos)
+            state, key_len, _, span = FRAME.unpack_from(self.view, at)
+            if span <= 0:
+                return None
+            if state == READY and self.view[at + FRAME.size : at + FRAME.size + key_len] == encoded:
+                return self.frame(pos)
+            pos += span
+        return None
+
+    def payload(self, frame: Frame) -> memoryview:
+        return self.view[frame.payload_at : frame.payload_at + frame.payload_len]
+
+    def set_state(self, frame: Frame, state: int) -> None:
+        _U32.pack_into(self.view, self._at(frame.pos), state)
+
+    def commit(self, frame: Frame) -> None:
+        """Make a written frame READY, unless a cleanup cancelled it meanwhile (the cleanup
+        wins, as it does over a segment it unlinked under a writer)."""
+        if _U32.unpack_from(self.view, self._at(frame.pos))[0] == WRITING:
+            self.set_state(frame, READY)
+
+    # -- the producer's moves ----------------------------------------------------------------
+
+    def reserve(self, key: str, payload_len: int) -> Frame | None:
+        """A WRITING frame for ``payload_len`` bytes; None while the ring has no room for it."""
+        self.release_finished()
+        encoded = key.encode("ascii")
+        span = _align(FRAME.size + len(encoded)) + _align(payload_len)
+        head, tail = self.head, self.tail
+        offset = head % self.data_size
+        pad = self.data_size - offset if offset + span > self.data_size else 0
+        if head + pad + span - tail > self.data_size:
+            return None
+        if pad:
+            FRAME.pack_into(self.view, self._at(head), PAD, 0, 0, pad)
+            head += pad
+        at = self._at(head)
+        FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
+        self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
+        _U64.pack_into(self.view, _HEAD_AT, head + span)
+        return Frame(head, WRITING, key, at + _align(FRAME.size + len(encoded)), payload_len, span)
+
+    def release_finished(self) -> None:
+        """Move the tail past every finished frame at its front."""
+        pos, head = self.tail, self.head
+        while pos < head:
+            state, _, _, span = FRAME.unpack_from(self.view, self._at(pos))
+            if state not in (DONE, CANCELLED, PAD) or span <= 0:
+                break
+            pos += span
+        _U64.pack_into(self.view, _TAIL_AT, pos)
+
+    def unconsumed(self) -> list[str]:
+        """Keys of the frames that still hold (or will hold) a chunk: residue at quiescence."""
+        return [f.key for f in self.frames() if f.state in (WRITING, READY)]
+
+
+def unread_frames(store: Store) -> list[str]:
+    """``EDGE:KEY`` for every frame on the store's rings that holds (or will hold) a chunk nobody
+    took yet: read from the shared bytes, as another process sees them."""
+    out = []
+    for edge in store.rings():
+        memory = store.open_ring(edge)
+        if memory is None:
+            continue
+        try:
+            out.extend(f"{edge}:{key}" for key in Ring(memory).unconsumed())
+        finally:
+            memory.close()
+    return out
+
+
+class locked:
+    """Hold a ring's lock for the block, waiting at most ``wait_s`` for it (backing off through
+    the kernel; the wait is noted for ``key``), else :class:`RingBusy`. A class rather than a
+    generator: it runs twice a chunk."""
+
+    def __init__(self, memory: RingMemory, *, wait_s: float, key: str) -> None:
+        self._memory = memory
+        self._wait_s = wait_s
+        self._key = key
+
+    async def __aenter__(self) -> None:
+        if self._memory.try_lock():
+            return
+        k = current_kernel()
+        k.note("wait.begin", what="ring", key=self._key, limit_us=round(self._wait_s * 1e6))
+        deadline = k.now() + self._wait_s
+        backoff = LOCK_RETRY_S
+        try:
+            while not self._memory.try_lock():
+                if k.now() >= deadline:
+                    raise RingBusy(f"the ring's lock stayed held for more than {self._wait_s:g}s")
+                await k.sleep(backoff)
+                backoff = min(backoff * 2, LOCK_RETRY_MAX_S)
+        finally:
+            k.note("wait.end", what="ring", key=self._key)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._memory.unlock()

@@ -1,0 +1,143 @@
+"""Mutants of the per-edge ring (omnisim issue 13): each undoes one of its rules, on the ``ring``
+store, where the edge's chunks go on a ring.
+
+Not here: "fallback reorders chunks". A receiver asks for each chunk by its key, whichever way
+the chunk went, so the order it takes them in is the adapter's (chunk ids), never the transport's:
+there is no decision in the ring's code whose mistake could reorder a request's chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from omnisim.registry import Patch, mutant
+from runtime.connectors import ring as rings
+from runtime.connectors.ring import FRAME, PAD, WRITING, Frame, Ring
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.wire import BufferIO
+from runtime.kernel import current_kernel
+
+RING_ISSUE = "omnisim issue 13 (the per-edge ring)"
+
+
+@mutant(
+    "ring_ack_before_copy",
+    summary="a reader marks its frame done and lets go of the ring before it copies the bytes out: the producer "
+    "reuses the space while they are being read",
+    issue=RING_ISSUE,
+    scenarios=("ring_full_slow_consumer", "ring_wrap_cancel"),
+    expect=("no-corrupt-accept", "terminal-delivered"),
+    store="ring",
+)
+def ring_ack_before_copy() -> Iterator[Patch]:
+    async def take(
+        self: ShmConnector, ring: Ring, frame: Frame, claim: Callable[[], bool] | None, edge: str
+    ) -> tuple[Any, int] | None:
+        if claim is not None and not claim():
+            return None
+        ring.set_state(frame, rings.DONE)
+        self._release(ring, edge)
+        ring.memory.unlock()
+        k = current_kernel()
+        await k.point("shm.get.locked", key=frame.key)
+        with ring.payload(frame) as view:
+            io = BufferIO(view)
+            try:
+                obj = await self._decode(io)
+            finally:
+                io.close()
+        await k.point("shm.get.consumed", key=frame.key)
+        k.note("shm.get.unlocked", key=frame.key)
+        self._pending_keys.pop(frame.key, None)
+        return obj, frame.payload_len
+
+    yield Patch(ShmConnector, "_take_from_ring", take)
+
+
+@mutant(
+    "ring_published_before_written",
+    summary="a put makes its ring frame readable when it reserves it, before the bytes are in place: a reader "
+    "takes whatever the space held before",
+    issue=RING_ISSUE,
+    scenarios=("ring_eager_reader", "ring_full_slow_consumer"),
+    expect=("no-corrupt-accept", "terminal-delivered"),
+    store="ring",
+)
+def ring_published_before_written() -> Iterator[Patch]:
+    reserve = Ring.reserve
+
+    def published(self: Ring, key: str, payload_len: int) -> Frame | None:
+        frame = reserve(self, key, payload_len)
+        if frame is not None:
+            self.set_state(frame, rings.READY)
+        return frame
+
+    yield Patch(Ring, "reserve", published)
+
+
+@mutant(
+    "ring_wrap_pad_short",
+    summary="wrap-around off by one: the frame that fills the rest of the ring's end is one unit short, so a reader "
+    "walking the ring steps into the middle of nowhere and never finds the frames after it",
+    issue=RING_ISSUE,
+    scenarios=("ring_full_slow_consumer", "ring_wrap_cancel"),
+    expect=("liveness", "terminal-delivered"),
+    store="ring",
+)
+def ring_wrap_pad_short() -> Iterator[Patch]:
+    def reserve(self: Ring, key: str, payload_len: int) -> Frame | None:
+        self.release_finished()
+        encoded = key.encode("ascii")
+        span = rings._align(FRAME.size + len(encoded)) + rings._align(payload_len)
+        head, tail = self.head, self.tail
+        offset = head % self.data_size
+        pad = self.data_size - offset if offset + span > self.data_size else 0
+        if head + pad + span - tail > self.data_size:
+            return None
+        if pad:
+            FRAME.pack_into(self.view, self._at(head), PAD, 0, 0, pad - rings.ALIGN)  # the bug: one unit short
+            head += pad
+        at = self._at(head)
+        FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
+        self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
+        rings._U64.pack_into(self.view, rings._HEAD_AT, head + span)
+        return Frame(head, WRITING, key, at + rings._align(FRAME.size + len(encoded)), payload_len, span)
+
+    yield Patch(Ring, "reserve", reserve)
+
+
+@mutant(
+    "ring_cancel_never_reclaims",
+    summary="a cleanup reports a ring frame cancelled but leaves it readable: an aborted request's chunks sit on "
+    "the ring for good, holding its space",
+    issue=RING_ISSUE,
+    scenarios=("ring_wrap_cancel",),
+    expect=("no-orphan-shm",),
+    store="ring",
+)
+def ring_cancel_never_reclaims() -> Iterator[Patch]:
+    def cancel(self: ShmConnector, edge: str, key: str, pos: int) -> bool:
+        ring = self._send_rings[edge]
+        return pos >= ring.tail and ring.frame(pos).key == key
+
+    yield Patch(ShmConnector, "_cancel_locked", cancel)
+
+
+@mutant(
+    "ring_identity_unchecked",
+    summary="a reader keeps the ring it mapped whoever produces now: after its producer stage died and came back, "
+    "it reads the dead producer's ring and never finds the new one's chunks",
+    issue=RING_ISSUE,
+    scenarios=("stage_crash",),
+    expect=("liveness", "terminal-delivered"),
+    store="ring",
+)
+def ring_identity_unchecked() -> Iterator[Patch]:
+    receive_ring = ShmConnector._receive_ring
+
+    def unchecked(self: ShmConnector, from_stage: str, to_stage: str) -> Ring | None:
+        cached = self._receive_rings.get(rings.edge_name(from_stage, to_stage))
+        return cached[1] if cached is not None else receive_ring(self, from_stage, to_stage)
+
+    yield Patch(ShmConnector, "_receive_ring", unchecked)

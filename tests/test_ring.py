@@ -1,0 +1,311 @@
+"""The per-edge ring (omnisim issue 13) under the real kernel, on real /dev/shm.
+
+The protocol's interleavings are explored by the simulator (``--store ring``, the ``ring_*``
+scenarios and mutants); these tests pin what one connector pair does, in one process and across
+two, and what a full /dev/shm does to a ring.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from omnisim import registry
+from omnisim.explore import explore
+from runtime.connectors import ring as rings
+from runtime.connectors.base import CorruptChunk
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import Ring, RingSettings
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import MemoryStore, Store
+from tests.conftest import REPO_ROOT, fresh_namespace
+from tests.test_crash_safety import _in_tiny_shm, needs_root
+
+registry.load()
+
+#: A small ring: four 3.5 KB chunks fill it.
+SMALL = RingSettings(capacity=16 << 10)
+
+
+@pytest.fixture(params=["memory", "posix"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    s: Store = MemoryStore() if request.param == "memory" else PosixStore()
+    yield s
+    s.sweep()
+
+
+def chunk(i: int, frames: int = 25) -> dict[str, Any]:
+    return {"codes": {"audio": torch.arange(16 * frames, dtype=torch.int64).reshape(16, frames) + i}, "i": i}
+
+
+def pair(store: Store, settings: RingSettings = SMALL) -> tuple[ShmConnector, ShmConnector]:
+    return ShmConnector(store, stage_id=1, send_ring=settings), ShmConnector(store, stage_id=2, receive_ring=True)
+
+
+async def put(conn: ShmConnector, key: str, data: object) -> None:
+    result = await conn.put("1", "2", key, data)
+    assert result.ok, result
+
+
+async def take(conn: ShmConnector, key: str) -> Any:
+    got = await conn.get("1", "2", key)
+    assert got is not None, f"{key} did not arrive"
+    return got[0]
+
+
+async def close(*conns: ShmConnector) -> None:
+    for conn in conns:
+        await conn.close()
+
+
+async def test_small_chunks_go_on_the_ring_and_round_trip(store: Store) -> None:
+    producer, consumer = pair(store)
+    for i in range(40):  # ten times round the ring
+        await put(producer, f"R_1_{i}", chunk(i))
+        assert torch.equal((await take(consumer, f"R_1_{i}"))["codes"]["audio"], chunk(i)["codes"]["audio"])
+    assert producer.health()["ring_puts"] == 40
+    assert store.segments() == [] and store.lock_files() == []
+    assert store.rings() == ["edge_1_2"]
+    await close(producer, consumer)
+    assert store.rings() == [] and store.open_handles() == []
+
+
+async def test_a_payload_too_large_for_the_ring_takes_a_segment(store: Store) -> None:
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0, frames=200))  # 25.6 KB > a quarter of 16 KiB
+    assert producer.health()["ring_puts"] == 0 and store.segments() == ["R_1_0"]
+    assert (await take(consumer, "R_1_0"))["i"] == 0
+    await close(producer, consumer)
+
+
+async def test_a_full_ring_sends_the_rest_to_segments_and_loses_nothing(store: Store) -> None:
+    producer, consumer = pair(store)
+    for i in range(10):
+        await put(producer, f"R_1_{i}", chunk(i))
+    health = producer.health()
+    assert health["ring_puts"] == 4 and health["ring_fallbacks"] == 6
+    assert len(store.segments()) == 6
+    for i in reversed(range(10)):  # any order: a chunk is found by its key, wherever it went
+        assert (await take(consumer, f"R_1_{i}"))["i"] == i
+    await put(producer, "R_1_10", chunk(10))  # the ring has room again
+    assert producer.health()["ring_puts"] == 5
+    await close(producer, consumer)
+
+
+async def test_cleanup_cancels_an_unread_frame_and_frees_its_room(store: Store) -> None:
+    producer, consumer = pair(store)
+    for i in range(4):
+        await put(producer, f"R_1_{i}", chunk(i))
+    assert await producer.cleanup_prefix("R_1_") == 4
+    assert await consumer.get("1", "2", "R_1_0") is None
+    for i in range(4):  # the cancelled frames' room is reused at once
+        await put(producer, f"S_1_{i}", chunk(i))
+    assert producer.health()["ring_fallbacks"] == 0
+    assert producer.residue() == {
+        "pending_keys": [f"S_1_{i}" for i in range(4)],
+        "held_locks": [],
+        "cancels_pending": [],
+    }
+    await close(producer, consumer)
+
+
+async def test_a_put_replaces_the_unread_frame_of_its_key(store: Store) -> None:
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(1))
+    await put(producer, "R_1_0", chunk(2))
+    assert (await take(consumer, "R_1_0"))["i"] == 2
+    assert await consumer.get("1", "2", "R_1_0") is None
+    # and a replacement too large for the ring leaves no older frame readable either
+    await put(producer, "R_1_1", chunk(3))
+    await put(producer, "R_1_1", chunk(4, frames=200))
+    assert (await take(consumer, "R_1_1"))["i"] == 4
+    assert await consumer.get("1", "2", "R_1_1") is None
+    await close(producer, consumer)
+
+
+async def test_corrupt_bytes_on_the_ring_are_a_corrupt_chunk_and_consumed(store: Store) -> None:
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None
+    frame = Ring(memory).find("R_1_0")
+    assert frame is not None
+    memory.view[frame.payload_at + frame.payload_len // 2] ^= 0xFF
+    memory.close()
+    with pytest.raises(CorruptChunk, match="R_1_0"):
+        await consumer.get("1", "2", "R_1_0")
+    assert await consumer.get("1", "2", "R_1_0") is None
+    await close(producer, consumer)
+
+
+async def test_a_reader_lets_go_of_a_ring_its_producer_replaced(store: Store) -> None:
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    assert (await take(consumer, "R_1_0"))["i"] == 0  # the consumer now maps the first ring
+    successor = ShmConnector(store, stage_id=1, send_ring=SMALL)  # a restarted producer, same namespace
+    await put(successor, "R_1_1", chunk(1))
+    assert (await take(consumer, "R_1_1"))["i"] == 1
+    await close(producer, successor, consumer)
+
+
+async def test_a_reader_refuses_a_ring_its_namespace_owner_did_not_make() -> None:
+    store = PosixStore()
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None
+    rings.HEADER.pack_into(memory.view, 0, rings.MAGIC, rings.VERSION, memory.view.nbytes, 0, 0, 1, 0, 1)
+    memory.close()
+    assert await consumer.get("1", "2", "R_1_0") is None  # not read: its producer is not the owner
+    await close(producer, consumer)
+    store.sweep()
+
+
+async def test_a_ring_name_taken_by_something_else_sends_puts_to_segments() -> None:
+    store = PosixStore()
+    squatter = f"/dev/shm/omnisim-{store.namespace}-ring-edge_1_2"
+    with open(squatter, "w") as f:  # mode 0644: not ours
+        f.write("x")
+    producer, consumer = pair(store)
+    try:
+        await put(producer, "R_1_0", chunk(0))
+        assert producer.health()["ring_puts"] == 0 and store.segments() == ["R_1_0"]
+        assert (await take(consumer, "R_1_0"))["i"] == 0
+    finally:
+        await close(producer, consumer)
+        store.sweep()  # which leaves the squatter alone: it is not ours
+        os.unlink(squatter)
+
+
+CHILD = """
+import sys, trio, torch
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import RingSettings
+from runtime.connectors.shm import ShmConnector
+
+async def main():
+    store = PosixStore(sys.argv[1], claim=True)
+    conn = ShmConnector(store, stage_id=1, send_ring=RingSettings(capacity=16 << 10))
+    for i in range(int(sys.argv[2])):
+        ok = (await conn.put("1", "2", f"R_1_{i}", {"i": i, "t": torch.full((16, 25), i)})).ok
+        assert ok
+    print("ring_puts", conn.health()["ring_puts"], flush=True)
+    sys.stdin.readline()
+    await conn.close()
+    store.sweep()
+
+trio.run(main)
+"""
+
+
+async def test_a_producer_in_another_process_hands_chunks_over_its_ring() -> None:
+    namespace = fresh_namespace()
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHILD), namespace, "12"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    own = PosixStore()
+    consumer = ShmConnector(own, stage_id=2, upstream=PosixStore(namespace), receive_ring=True)
+    try:
+        got: dict[int, int] = {}
+        with trio.fail_after(30):
+            while len(got) < 12:
+                for i in set(range(12)) - set(got):
+                    found = await consumer.get("1", "2", f"R_1_{i}")
+                    if found is not None:
+                        got[i] = int(found[0]["t"][0, 0])
+                await trio.sleep(0.01)
+        assert got == {i: i for i in range(12)}
+        assert child.stdout is not None
+        line = child.stdout.readline().split()
+        assert line[0] == "ring_puts" and int(line[1]) >= 4, line  # the rest waited, or took segments
+    finally:
+        assert child.stdin is not None
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(timeout=30)
+        await consumer.close()
+        own.sweep()
+
+
+TINY_SHM_RING = r"""
+import trio, numpy as np
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import RingSettings
+from runtime.connectors.shm import ShmConnector
+
+async def main():
+    store = PosixStore()
+    conn = ShmConnector(store, stage_id=1, send_ring=RingSettings(capacity=4 << 20))  # 4 MiB > 1 MiB
+    result = await conn.put("1", "2", "R_1_0", {"i": np.arange(10)})
+    assert result.ok and conn.health()["ring_puts"] == 0, result
+    assert store.rings() == [] and store.segments() == ["R_1_0"], (store.rings(), store.segments())
+    await conn.close()
+    store.sweep()
+    print("ok")
+
+trio.run(main)
+"""
+
+
+@needs_root
+def test_a_ring_that_does_not_fit_in_dev_shm_is_never_made() -> None:
+    proc = _in_tiny_shm("\0".join([sys.executable, "-c", TINY_SHM_RING]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
+@pytest.mark.parametrize("scenario", ["ring_full_slow_consumer", "ring_eager_reader", "ring_wrap_cancel"])
+def test_the_ring_scenarios_wrap_around_the_ring(scenario: str) -> None:
+    """A ring scenario must meet what it is named for: on the ring store its chunks wrap around
+    the ring (and, but for the eager reader's paced producer, find it full), and the run is clean."""
+    reserved: list[int] = []
+    full: list[bool] = []
+    reserve, want_room = Ring.reserve, Ring.want_room
+
+    def spy_reserve(self: Ring, key: str, payload_len: int) -> rings.Frame | None:
+        frame = reserve(self, key, payload_len)
+        if frame is not None:
+            reserved.append(frame.pos)
+        return frame
+
+    def spy_want_room(self: Ring) -> None:
+        full.append(True)
+        want_room(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Ring, "reserve", spy_reserve)
+        mp.setattr(Ring, "want_room", spy_want_room)
+        res = explore(scenario, strategy="random", budget=3, store="ring")
+    assert res.violations == []
+    assert max(reserved) > SMALL.capacity, "the ring never wrapped around"
+    assert full or scenario == "ring_eager_reader", "the ring never filled"
+
+
+def test_the_pipeline_on_the_ring_says_exactly_what_it_says_on_segments() -> None:
+    from runtime.config.pipeline import load_pipeline
+    from runtime.pipeline import Models, build_engine, run_request
+
+    models = Models.build()
+    audio = {}
+    for transport in ("ring", "segments"):
+        store = PosixStore()
+        try:
+            engine = build_engine(load_pipeline("qwen3_omni").with_transport(transport), models, store)
+            result = trio.run(lambda engine=engine, store=store: run_request(engine, store, "the ring and the rest"))
+        finally:
+            store.sweep()
+        assert result.error is None and result.residue == {}, (transport, result.error, result.residue)
+        audio[transport] = result.audio.numpy().tobytes()
+    assert audio["ring"] == audio["segments"] and len(audio["ring"]) > 0
