@@ -236,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "check",
-        help="the main job: every scenario, every strategy, both stores, against the clean runtime",
-        description="Explore every scenario with the random walk and PCT on both stores (and each scenario's "
+        help="the main job: every scenario, every strategy, every store, against the clean runtime",
+        description="Explore every scenario with the random walk and PCT on every store (and each scenario's "
         "ordering, if it declares one) against the clean runtime; write a report; exit 1 on any violation.",
         epilog=_examples("omnisim check", "omnisim check --budget 50 --store memory", "omnisim check --jobs 2"),
     )

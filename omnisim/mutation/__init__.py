@@ -98,7 +98,7 @@ def mutate(
     on_outcome: Callable[[Outcome], None] = lambda o: None,
     on_baseline: Callable[[Baseline], None] = lambda b: None,
 ) -> MutationReport:
-    """Run ``mutations`` against every scenario (or ``scenarios``) on both stores, ``budget``
+    """Run ``mutations`` against every scenario (or ``scenarios``) on every store, ``budget``
     random and ``budget // 2`` PCT schedules per plan; ``time_limit``: seconds per mutant."""
     import time
 
