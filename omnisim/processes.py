@@ -217,19 +217,20 @@ def _rewrite_ring_frame(store: Store, key: str, change: Callable[[bytes], bytes]
     all the same)."""
     for edge in store.rings():
         memory = store.open_ring(edge)
-        if memory is None:
+        ring = Ring.attach(memory) if memory is not None else None
+        if ring is None:
             continue
         try:
-            ring = Ring(memory)
             frame = next((f for f in ring.frames() if f.key == key and f.state in (rings.WRITING, rings.READY)), None)
             if frame is None:
                 continue
-            new = change(bytes(ring.payload(frame)))[: frame.payload_len]
-            memory.view[frame.payload_at : frame.payload_at + len(new)] = new
+            with ring.payload(frame) as old:
+                new = change(bytes(old))[: frame.payload_len]
+            ring.view[frame.payload_at : frame.payload_at + len(new)] = new
             at = rings.HEADER_SIZE + frame.pos % ring.data_size
-            rings.FRAME.pack_into(memory.view, at, frame.state, len(frame.key), len(new), frame.span)
+            rings.FRAME.pack_into(ring.view, at, frame.state, len(frame.key), len(new), frame.span)
         finally:
-            memory.close()
+            ring.close()
 
 
 def _rewrite_chunk(store: Store, key: str, change: Callable[[bytes], bytes]) -> None:

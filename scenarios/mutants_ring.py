@@ -101,7 +101,7 @@ def ring_wrap_pad_short() -> Iterator[Patch]:
         at = self._at(head)
         FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
         self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
-        rings._U64.pack_into(self.view, rings._HEAD_AT, head + span)
+        self._words[rings._HEAD_AT // 8] = head + span
         return Frame(head, WRITING, key, at + rings._align(FRAME.size + len(encoded)), payload_len, span)
 
     yield Patch(Ring, "reserve", reserve)
@@ -117,11 +117,10 @@ def ring_wrap_pad_short() -> Iterator[Patch]:
     store="ring",
 )
 def ring_cancel_never_reclaims() -> Iterator[Patch]:
-    def cancel(self: ShmConnector, edge: str, key: str, pos: int) -> bool:
-        ring = self._send_rings[edge]
-        return pos >= ring.tail and ring.frame(pos).key == key
+    def cancel(self: Ring, key: str, pos: int) -> bool:
+        return pos >= self.tail and self.frame(pos).key == key
 
-    yield Patch(ShmConnector, "_cancel_locked", cancel)
+    yield Patch(Ring, "cancel", cancel)
 
 
 @mutant(

@@ -182,12 +182,14 @@ class _PosixRing:
     """A mapped ring; its lock is ``flock`` on its own descriptor (released by the kernel when
     the process dies, so a holder killed mid-update never wedges the ring's other side)."""
 
-    def __init__(self, fd: int, size: int, on_close: Callable[[], None]) -> None:
+    def __init__(self, fd: int, size: int, count: Callable[[], Callable[[], None]]) -> None:
+        """Map ``size`` bytes of ``fd``; ``count`` counts the handle once the mapping exists and
+        gives what uncounts it."""
         self._fd = fd
         self._held = False
-        self._on_close = on_close
         self._map: mmap.mmap | None = mmap.mmap(fd, size)
         self._view: memoryview | None = memoryview(self._map)
+        self._on_close = count()
 
     @property
     def view(self) -> memoryview:
@@ -340,7 +342,7 @@ class PosixStore:
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
         try:
             os.posix_fallocate(shm.fd, 0, capacity)
-            return _PosixRing(shm.fd, capacity, self.handles.opened(f"ring {edge}"))
+            return _PosixRing(shm.fd, capacity, lambda: self.handles.opened(f"ring {edge}"))
         except BaseException as e:
             os.close(shm.fd)
             self.unlink_ring(edge)
@@ -361,7 +363,10 @@ class PosixStore:
             size = os.fstat(shm.fd).st_size
             if size == 0:
                 raise ForeignName(f"ring {edge!r} has no bytes yet: its maker is still reserving them")
-            return _PosixRing(shm.fd, size, self.handles.opened(f"ring {edge}"))
+            return _PosixRing(shm.fd, size, lambda: self.handles.opened(f"ring {edge}"))
+        except OSError as e:
+            os.close(shm.fd)
+            raise _store_error("map ring", edge, e) from None
         except BaseException:
             os.close(shm.fd)
             raise

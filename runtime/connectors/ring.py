@@ -23,7 +23,9 @@ States, and the moves between them::
 
     WRITING --commit--> READY --take--> DONE
        |                  |
-       +---abandon--------+---cancel--> CANCELLED
+       |                  +--cancel---> CANCELLED
+       +--cancel--> ABORTED --commit or abandon--^
+       +--abandon-----------------------^
 
 The producer writes a WRITING frame's payload without the lock (no one reads a WRITING frame)
 and commits only once every byte is in place: a producer killed mid-write leaves a WRITING frame,
@@ -39,12 +41,16 @@ and wakes the producer. (The lock orders the two, so the wakeup is never lost; a
 bounded all the same, after which the put takes a segment.)
 
 Nobody waits long for the lock. A reader stopped mid-copy (SIGSTOP) holds it until it goes on
-or dies; meanwhile puts take segments, gets find nothing yet, and a cancel is left to the
-producer's later sweeps, which retry it.
+or dies; meanwhile puts take segments and gets look in segments.
 
-A WRITING frame is its producer's alone: the producer commits it (or abandons it, when the write
-raised) without the lock; the one move it races with, a cancel by another task of the same
-process, never runs in between.
+A cancel never waits for the lock: only the producer's process cancels, and only the producer
+reuses space, so between its check of a frame and its one-byte store nothing can reuse that
+frame; a reader in the middle of taking it marks it DONE afterwards (it was taken before the
+cancel, as a segment unlinked under a reader still reaches it). A frame cancelled while its
+producer still writes into it becomes ABORTED, which no reader takes and the tail does not pass:
+its space is released only once its producer is done with it. A WRITING frame's other moves are
+its producer's alone, made without the lock. Head and tail are each stored with one aligned
+8-byte write, so a process killed mid-store never leaves half of one.
 
 The producer records its identity (pid and start time) in the header; a consumer attaches only to
 a ring whose producer is its namespace's owner, and a producer that replaces a ring marks the old
@@ -74,11 +80,11 @@ _ROOM_WANTED_AT = 48
 #: state, key length, payload length, span.
 FRAME = struct.Struct("<IIQQ")
 _U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 ALIGN = 64
+#: A frame's header and key, aligned, at most (a key is at most 200 characters).
+_FRAME_HEAD_MAX = 256
 
-WRITING, READY, DONE, CANCELLED, PAD = 1, 2, 3, 4, 5
-STATE_NAMES = {WRITING: "writing", READY: "ready", DONE: "done", CANCELLED: "cancelled", PAD: "pad"}
+WRITING, READY, DONE, CANCELLED, PAD, ABORTED = 1, 2, 3, 4, 5, 6
 
 #: A ring's size when the deploy file names none (upstream's default).
 DEFAULT_CAPACITY = DEFAULT_RING_BYTES
@@ -86,8 +92,8 @@ DEFAULT_CAPACITY = DEFAULT_RING_BYTES
 MAX_FRAME_FRACTION = 0.25
 #: How long a put waits for room on a full ring before it takes a segment instead.
 FULL_WAIT_S = 0.005
-#: How long a get or a cleanup waits for the ring's lock (a reader holds it for one copy-out)
-#: before it leaves the ring for now: a get finds nothing yet, a cancel is retried by later sweeps.
+#: How long a get waits for the ring's lock (a reader holds it for one copy-out) before it looks
+#: in segments only, for now.
 LOCK_WAIT_S = 0.05
 LOCK_RETRY_S = 0.00005
 LOCK_RETRY_MAX_S = 0.002
@@ -118,7 +124,10 @@ class RingSettings:
 
     @property
     def max_payload(self) -> int:
-        return int((self.capacity - HEADER_SIZE) * self.max_frame_fraction)
+        """The largest payload that goes on the ring: a share of it, and small enough that a
+        frame (with its header and longest key) fits beside any remainder at the ring's end."""
+        data_size = self.capacity - HEADER_SIZE
+        return min(int(data_size * self.max_frame_fraction), data_size // 2 - 2 * _FRAME_HEAD_MAX)
 
 
 def edge_name(from_stage: str, to_stage: str) -> str:
@@ -150,6 +159,26 @@ class Ring:
         self.view = memory.view
         self.capacity = len(self.view)
         self.data_size = self.capacity - HEADER_SIZE
+        #: The header as 8-byte words: head and tail are each one aligned store.
+        self._words = self.view[:HEADER_SIZE].cast("Q")
+
+    @classmethod
+    def attach(cls, memory: RingMemory) -> Ring | None:
+        """A view of an existing ring; None (and ``memory`` closed) if its bytes are not a
+        well-formed ring: too small, a size that is not whole frames, a bad header."""
+        size = len(memory.view)
+        if size < 4 * ALIGN or size % ALIGN:
+            memory.close()
+            return None
+        ring = cls(memory)
+        if ring.well_formed():
+            return ring
+        ring.close()
+        return None
+
+    def close(self) -> None:
+        self._words.release()
+        self.memory.close()
 
     # -- the header --------------------------------------------------------------------------
 
@@ -175,11 +204,11 @@ class Ring:
 
     @property
     def head(self) -> int:
-        return _U64.unpack_from(self.view, _HEAD_AT)[0]
+        return self._words[_HEAD_AT // 8]
 
     @property
     def tail(self) -> int:
-        return _U64.unpack_from(self.view, _TAIL_AT)[0]
+        return self._words[_TAIL_AT // 8]
 
     @property
     def retired(self) -> bool:
@@ -239,11 +268,32 @@ class Ring:
     def set_state(self, frame: Frame, state: int) -> None:
         _U32.pack_into(self.view, self._at(frame.pos), state)
 
-    def commit(self, frame: Frame) -> None:
-        """Make a written frame READY, unless a cleanup cancelled it meanwhile (the cleanup
-        wins, as it does over a segment it unlinked under a writer)."""
-        if _U32.unpack_from(self.view, self._at(frame.pos))[0] == WRITING:
+    def _state(self, frame: Frame) -> int:
+        return _U32.unpack_from(self.view, self._at(frame.pos))[0]
+
+    def commit(self, frame: Frame) -> bool:
+        """Make a written frame READY; False if a cleanup cancelled it meanwhile (it is then
+        CANCELLED: the cleanup wins, as it does over a segment it unlinked under a writer)."""
+        if self._state(frame) == WRITING:
             self.set_state(frame, READY)
+            return True
+        self.set_state(frame, CANCELLED)
+        return False
+
+    def abandon(self, frame: Frame) -> None:
+        """Give up a frame whose write failed."""
+        self.set_state(frame, CANCELLED)
+
+    def cancel(self, key: str, pos: int) -> bool:
+        """Cancel ``key``'s frame at ``pos`` if it is still being written (ABORTED) or unread
+        (CANCELLED); True if it did. The producer's move, without the lock (see above)."""
+        if pos < self.tail:
+            return False
+        frame = self.frame(pos)
+        if frame.key != key or frame.state not in (WRITING, READY):
+            return False
+        self.set_state(frame, ABORTED if frame.state == WRITING else CANCELLED)
+        return True
 
     # -- the producer's moves ----------------------------------------------------------------
 
@@ -263,7 +313,7 @@ class Ring:
         at = self._at(head)
         FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
         self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
-        _U64.pack_into(self.view, _HEAD_AT, head + span)
+        self._words[_HEAD_AT // 8] = head + span
         return Frame(head, WRITING, key, at + _align(FRAME.size + len(encoded)), payload_len, span)
 
     def release_finished(self) -> None:
@@ -274,7 +324,7 @@ class Ring:
             if state not in (DONE, CANCELLED, PAD) or span <= 0:
                 break
             pos += span
-        _U64.pack_into(self.view, _TAIL_AT, pos)
+        self._words[_TAIL_AT // 8] = pos
 
     def unconsumed(self) -> list[str]:
         """Keys of the frames that still hold (or will hold) a chunk: residue at quiescence."""
@@ -289,10 +339,13 @@ def unread_frames(store: Store) -> list[str]:
         memory = store.open_ring(edge)
         if memory is None:
             continue
+        ring = Ring.attach(memory)
+        if ring is None:
+            continue
         try:
-            out.extend(f"{edge}:{key}" for key in Ring(memory).unconsumed())
+            out.extend(f"{edge}:{key}" for key in ring.unconsumed())
         finally:
-            memory.close()
+            ring.close()
     return out
 
 

@@ -92,8 +92,8 @@ class ShmConnector:
         self._receive_rings: dict[str, tuple[Store, Ring]] = {}
         #: Where each tracked key that went on a ring is: (edge, frame position).
         self._ring_keys: dict[str, tuple[str, int]] = {}
-        #: Ring frames a cleanup could not cancel yet (a reader held the ring): retried by reaps.
-        self._cancels_pending: dict[str, tuple[str, int]] = {}
+        #: Keys a put of this connector is placing right now.
+        self._putting: set[str] = set()
         self.upstream = upstream if upstream is not None else store
         self._upstream_alive = upstream_alive
         self.stage_id = stage_id
@@ -125,13 +125,17 @@ class ShmConnector:
             await k.point("shm.put.begin", key=put_key)
             self.reap_consumed(max_keys=PUT_REAP_BUDGET)
             frame = EncodedFrame(data)
-            if not await self._put_on_ring(from_stage, to_stage, put_key, frame):
-                await self._write_locked(put_key, frame)
+            await self._take_turn(put_key)
+            try:
+                if not await self._put_on_ring(from_stage, to_stage, put_key, frame):
+                    await self._write_locked(put_key, frame)
+                self._pending_keys[put_key] = None
+            finally:
+                self._putting.discard(put_key)
         except (StoreError, WireEncodeError) as e:
             log.warning("put of %s failed: %s", put_key, e)
             k.note("shm.put.failed", key=put_key, error=type(e).__name__)
             return PutResult(False, 0, {"error": str(e)})
-        self._pending_keys[put_key] = None
         if self._wakeups is not None:
             self._wakeups.notify(to_stage)
         self._puts += 1
@@ -139,15 +143,34 @@ class ShmConnector:
         await k.point("shm.put.end", key=put_key)
         return PutResult(True, frame.size, {"shm": {"name": put_key, "size": frame.size}, "size": frame.size})
 
+    async def _take_turn(self, key: str) -> None:
+        """Wait until no other put of ``key`` is in flight in this process — one key's payload
+        is in one place, which two puts deciding at once (ring or segment) could break — at most
+        ``lock_timeout_s``, as long as for a key's lock file; then :class:`LockTimeout`."""
+        if key in self._putting:
+            k = current_kernel()
+            k.note("wait.begin", what="put", key=key, limit_us=round(self.lock_timeout_s * 1e6))
+            deadline = k.now() + self.lock_timeout_s
+            backoff = LOCK_RETRY_S
+            try:
+                while key in self._putting:
+                    if k.now() >= deadline:
+                        raise LockTimeout(
+                            f"another put of {key!r} stayed in flight for more than {self.lock_timeout_s:g}s"
+                        )
+                    await k.sleep(backoff)
+                    backoff = min(backoff * 2, LOCK_RETRY_MAX_S)
+            finally:
+                k.note("wait.end", what="put", key=key)
+        self._putting.add(key)
+
     async def _put_on_ring(self, from_stage: str, to_stage: str, key: str, frame: EncodedFrame) -> bool:
         """Put ``frame`` on the edge's ring; False if it goes to a segment instead (no ring, too
         large, the key's unread payload is in a segment, or the ring stayed full or held).
-
         Either way the key's unread ring frame, if any, is cancelled first: the new payload
-        replaces it. A reader copying out holds the ring; the put waits for it as long as for a
-        key's lock file, then fails (:class:`LockTimeout`) rather than leave the old frame readable."""
+        replaces it."""
         k = current_kernel()
-        await self._cancel_ring_frame(key, wait_s=self.lock_timeout_s)
+        self._cancel_ring_frame(key)
         settings = self.send_ring
         ring = self._send_ring(from_stage, to_stage) if settings is not None else None
         in_segment = key in self._pending_keys and key not in self._ring_keys
@@ -172,9 +195,9 @@ class ShmConnector:
                 # At least one back-off step: a remainder of a few ulps would never let time move.
                 await self._wait_for_room(edge, room, max(deadline - k.now(), rings.LOCK_RETRY_S))
         self._ring_keys[key] = (edge, reserved.pos)
-        await k.point("shm.put.created", key=key)
-        await k.point("shm.put.reserved", key=key)
         try:
+            await k.point("shm.put.created", key=key)
+            await k.point("shm.put.reserved", key=key)
             with ring.payload(reserved) as view:
                 io = BufferIO(view)
                 try:
@@ -185,12 +208,16 @@ class ShmConnector:
                     io.close()
             await k.point("shm.put.committed", key=key)
         except BaseException:
-            if not ring.memory.closed:  # (closed: this process died; it writes nothing more)
-                ring.set_state(reserved, rings.CANCELLED)  # a WRITING frame is its producer's alone
+            if not ring.memory.closed:  # (closed: this process died, or closed the ring: it writes nothing more)
+                ring.abandon(reserved)
             self._ring_keys.pop(key, None)
             raise
-        ring.commit(reserved)  # published: from here on a reader may take it
-        self._ring_puts += 1
+        if ring.memory.closed or not ring.commit(reserved):
+            # Cancelled while it was being written (or the connector closed under it): the
+            # cleanup wins, as it does over a segment it unlinked under a writer.
+            self._ring_keys.pop(key, None)
+        else:
+            self._ring_puts += 1
         return True
 
     async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> None:
@@ -211,9 +238,10 @@ class ShmConnector:
         try:
             validate_key(edge)
             predecessor = self.store.open_ring(edge)
-            if predecessor is not None:  # a consumer may still map it: tell it to let go
-                rings.Ring(predecessor).retire()
-                predecessor.close()
+            old = Ring.attach(predecessor) if predecessor is not None else None
+            if old is not None:  # a consumer may still map it: tell it to let go
+                old.retire()
+                old.close()
             memory = self.store.create_ring(edge, self.send_ring.capacity)
         except (StoreError, InvalidKeyError) as e:
             log.warning("no ring for the edge %s -> %s (its puts take segments): %s", from_stage, to_stage, e)
@@ -221,38 +249,22 @@ class ShmConnector:
         ring = self._send_rings[edge] = Ring.made(memory, self.store.owner())
         return ring
 
-    async def _cancel_ring_frame(self, key: str, *, wait_s: float) -> bool:
-        """Cancel the ring frame of ``key`` this connector put, if nobody took it yet; True if
-        it did. A reader copying out holds the ring: waiting ``wait_s`` for it at most, the
-        cancel is then left to the later sweeps of :meth:`reap_consumed` and
-        :class:`LockTimeout` raised if ``wait_s`` was a put's (its new payload must not go
-        anywhere while the old one is readable)."""
-        placed = self._ring_keys.pop(key, None) or self._cancels_pending.pop(key, None)
+    def _cancel_ring_frame(self, key: str) -> bool:
+        """Cancel the ring frame of ``key`` this connector put, if it is still being written or
+        unread; True if it did. Never waits (see :meth:`Ring.cancel`); the space is released
+        now if the ring is free, else by whoever releases next."""
+        placed = self._ring_keys.pop(key, None)
         if placed is None:
             return False
-        ring = self._send_rings[placed[0]]
-        try:
-            async with locked(ring.memory, wait_s=wait_s, key=key):
-                return self._cancel_locked(placed[0], key, placed[1])
-        except rings.RingBusy:
-            self._cancels_pending[key] = placed
-            if wait_s >= self.lock_timeout_s:
-                raise LockTimeout(
-                    f"the ring holding the unread payload of {key!r} stayed held for {wait_s:g}s"
-                ) from None
-            return False
-
-    def _cancel_locked(self, edge: str, key: str, pos: int) -> bool:
-        """With the ring's lock held: cancel ``key``'s frame at ``pos`` if it is still being
-        written or unread, and release the space it held."""
+        edge, pos = placed
         ring = self._send_rings[edge]
-        if pos < ring.tail:
+        if ring.memory.closed or not ring.cancel(key, pos):
             return False
-        frame = ring.frame(pos)
-        if frame.key != key or frame.state not in (rings.WRITING, rings.READY):
-            return False
-        ring.set_state(frame, rings.CANCELLED)
-        self._release(ring, edge)
+        if ring.memory.try_lock():
+            try:
+                self._release(ring, edge)
+            finally:
+                ring.memory.unlock()
         return True
 
     def _release(self, ring: Ring, edge: str) -> None:
@@ -386,7 +398,7 @@ class ShmConnector:
                     if frame is not None:
                         return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
             except rings.RingBusy:
-                return None  # another reader is copying out: nothing for this key just now
+                pass  # another reader is copying out: the key may be in a segment all the same
         try:
             lock = self.upstream.open_lock(key, create=False)
         except StoreError as e:
@@ -439,8 +451,9 @@ class ShmConnector:
                 error = e
             finally:
                 io.close()
-        ring.set_state(frame, rings.DONE)
-        self._release(ring, edge)
+        if not ring.memory.closed:  # (closed: the connector closed under this get)
+            ring.set_state(frame, rings.DONE)
+            self._release(ring, edge)
         try:
             await k.point("shm.get.consumed", key=key)
         except WireDecodeError as e:
@@ -457,7 +470,7 @@ class ShmConnector:
             store, ring = cached
             if store is self.upstream and not ring.retired:
                 return ring
-            ring.memory.close()
+            ring.close()
             del self._receive_rings[edge]
         try:
             memory = self.upstream.open_ring(validate_key(edge))
@@ -465,15 +478,12 @@ class ShmConnector:
             return None
         if memory is None:
             return None
-        ring = Ring(memory)
+        ring = Ring.attach(memory)
         owner = self.upstream.owner()
-        if (
-            not ring.well_formed()
-            or ring.retired
-            or (owner is not None and ring.producer() != (owner.pid, owner.start_ticks))
-        ):
+        if ring is None or ring.retired or (owner is not None and ring.producer() != (owner.pid, owner.start_ticks)):
             current_kernel().note("ring.refused", edge=edge)
-            memory.close()
+            if ring is not None:
+                ring.close()
             return None
         self._receive_rings[edge] = (self.upstream, ring)
         return ring
@@ -550,8 +560,8 @@ class ShmConnector:
         validate_key(key)
         await k.point("shm.cleanup.begin", key=key)
         self._pending_keys.pop(key, None)
-        if key in self._ring_keys or key in self._cancels_pending:
-            removed = await self._cancel_ring_frame(key, wait_s=rings.LOCK_WAIT_S)
+        if key in self._ring_keys:
+            removed = self._cancel_ring_frame(key)
             if removed:
                 k.note("shm.cleanup.unlinked", key=key)
             return removed
@@ -613,14 +623,6 @@ class ShmConnector:
         for key in list(self._held_locks)[:max_keys]:
             if key not in self._pending_keys and not self.store.segment_exists(key):
                 self._remove_idle_lock(key)
-        for key, (edge, pos) in list(self._cancels_pending.items())[:max_keys]:
-            memory = self._send_rings[edge].memory
-            if memory.try_lock():
-                try:
-                    self._cancel_locked(edge, key, pos)
-                finally:
-                    memory.unlock()
-                del self._cancels_pending[key]
 
     def _on_ring(self, key: str) -> bool:
         """Whether ``key``'s ring frame is still unread; forgets it if not. (Read without the
@@ -672,7 +674,6 @@ class ShmConnector:
         return {
             "pending_keys": list(self._pending_keys),
             "held_locks": list(self._held_locks),
-            "cancels_pending": list(self._cancels_pending),
         }
 
     async def close(self) -> None:
@@ -683,14 +684,16 @@ class ShmConnector:
         for key in list(self._pending_keys):
             await self.cleanup(key)
         for edge, ring in self._send_rings.items():
-            ring.memory.close()
+            ring.retire()  # a reader still mapping it lets go (a successor may make one of that name)
+            ring.close()
             try:
                 self.store.unlink_ring(edge)
             except StoreError as e:
                 log.warning("could not remove the ring %s: %s", edge, e)
         for _, ring in self._receive_rings.values():
-            ring.memory.close()
+            ring.close()
         self._send_rings.clear()
         self._receive_rings.clear()
+        self._ring_keys.clear()
         if self._wakeups is not None:
             self._wakeups.close()
