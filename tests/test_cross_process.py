@@ -257,8 +257,8 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
     try:
         gen = receiver.generation("1")
         assert gen == 0
-        assert receiver.generation("x") is None  # non-numeric stages have no FIFO
-        sender.notify("x")  # ignored
+        assert receiver.generation("../x") is None  # a channel that is not a safe name has no FIFO
+        sender.notify("../x")  # ignored
         sender.notify("2")  # nobody listens on stage 2
         start = time.monotonic()
         assert await receiver.wait_for_change("1", gen, timeout=0.05) is False
@@ -278,6 +278,23 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
     finally:
         receiver.close()
         sender.close()
+    assert names_of(namespace) == []
+
+
+async def test_a_ring_producer_waits_for_room_on_its_own_channel() -> None:
+    namespace = posix_store.new_namespace()
+    producer, consumer = FifoWakeups(namespace), FifoWakeups(namespace)
+    try:
+        gen = producer.generation("room_edge_1_2")
+        assert gen == 0 and producer.generation("1") == 0
+        consumer.notify("room_edge_1_23")  # another edge's channel: not this one
+        consumer.notify("1")  # the stage's arrivals: not the room channel
+        assert await producer.wait_for_change("room_edge_1_2", gen, timeout=0.05) is False
+        consumer.notify("room_edge_1_2")
+        assert await producer.wait_for_change("room_edge_1_2", gen, timeout=5) is True
+    finally:
+        producer.close()
+        consumer.close()
     assert names_of(namespace) == []
 
 

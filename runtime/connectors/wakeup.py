@@ -7,6 +7,9 @@ generation to change instead of sleeping, so a put landing mid-pass is never sle
 * :class:`LocalWakeups` — stages in one process: a counter and a kernel signal per stage.
 * :class:`FifoWakeups` — stages in different processes: one FIFO per receiver in
   ``/dev/shm/omnisim-{ns}-wake/``; a sender writes one byte into every FIFO of ``to_stage``.
+
+Besides the stages, the bus carries other channels: a ring's producer waits for room on
+``room_edge_{from}_{to}`` (see :mod:`runtime.connectors.ring`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import stat
 import uuid
 from typing import Protocol
@@ -22,6 +26,10 @@ from typing import Protocol
 from runtime.kernel import KSignal, current_kernel
 
 log = logging.getLogger(__name__)
+
+#: What a FIFO receiver may listen on: a stage id, or another channel of the bus (a ring's
+#: ``room_edge_1_2``); a safe file name, never a path.
+CHANNEL = re.compile(r"[a-z0-9_]{1,64}")
 
 
 class Wakeups(Protocol):
@@ -129,7 +137,7 @@ class FifoWakeups:
         return ours
 
     def _receiver(self, stage: str) -> _FifoReceiver | None:
-        if self._closed or not stage.isdigit():
+        if self._closed or not CHANNEL.fullmatch(stage):
             return None
         rx = self._receivers.get(stage)
         if rx is not None:
@@ -166,7 +174,7 @@ class FifoWakeups:
         return rx
 
     def notify(self, to_stage: str) -> None:
-        if not to_stage.isdigit():
+        if not CHANNEL.fullmatch(to_stage):
             return
         try:
             names = os.listdir(self.directory)
