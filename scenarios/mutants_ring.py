@@ -13,7 +13,7 @@ from typing import Any
 
 from omnisim.registry import Patch, mutant
 from runtime.connectors import ring as rings
-from runtime.connectors.ring import FRAME, PAD, WRITING, Frame, Ring
+from runtime.connectors.ring import FRAME, PAD, Frame, Ring
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.wire import BufferIO
 from runtime.kernel import current_kernel
@@ -86,25 +86,10 @@ def ring_published_before_written() -> Iterator[Patch]:
     store="ring",
 )
 def ring_wrap_pad_short() -> Iterator[Patch]:
-    def reserve(self: Ring, key: str, payload_len: int) -> Frame | None:
-        self.release_finished()
-        encoded = key.encode("ascii")
-        span = rings._align(FRAME.size + len(encoded)) + rings._align(payload_len)
-        head, tail = self.head, self.tail
-        offset = head % self.data_size
-        pad = self.data_size - offset if offset + span > self.data_size else 0
-        if head + pad + span - tail > self.data_size:
-            return None
-        if pad:
-            FRAME.pack_into(self.view, self._at(head), PAD, 0, 0, pad - rings.ALIGN)  # the bug: one unit short
-            head += pad
-        at = self._at(head)
-        FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
-        self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
-        self._words[rings._HEAD_AT // 8] = head + span
-        return Frame(head, WRITING, key, at + rings._align(FRAME.size + len(encoded)), payload_len, span)
+    def pad(self: Ring, pos: int, nbytes: int) -> None:
+        FRAME.pack_into(self.view, self._at(pos), PAD, 0, 0, nbytes - rings.ALIGN)  # the bug: one unit short
 
-    yield Patch(Ring, "reserve", reserve)
+    yield Patch(Ring, "_pad", pad)
 
 
 @mutant(

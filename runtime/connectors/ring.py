@@ -308,13 +308,18 @@ class Ring:
         if head + pad + span - tail > self.data_size:
             return None
         if pad:
-            FRAME.pack_into(self.view, self._at(head), PAD, 0, 0, pad)
+            self._pad(head, pad)
             head += pad
         at = self._at(head)
         FRAME.pack_into(self.view, at, WRITING, len(encoded), payload_len, span)
         self.view[at + FRAME.size : at + FRAME.size + len(encoded)] = encoded
         self._words[_HEAD_AT // 8] = head + span
         return Frame(head, WRITING, key, at + _align(FRAME.size + len(encoded)), payload_len, span)
+
+    def _pad(self, pos: int, nbytes: int) -> None:
+        """Fill the ``nbytes`` from ``pos`` to the ring's end with a PAD frame (readers and the
+        tail step over it)."""
+        FRAME.pack_into(self.view, self._at(pos), PAD, 0, 0, nbytes)
 
     def release_finished(self) -> None:
         """Move the tail past every finished frame at its front."""
