@@ -24,16 +24,17 @@ from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
-from runtime.connectors.ring import RingSettings, unread_frames
+from runtime.connectors.ring import unread_frames
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import Attr, current_kernel
+from runtime.stages import StageTransport
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
-#: The rings of a world on the ``ring`` store: small, so that a few chunks fill one and the
-#: scenarios wrap around it, find it full and fall back to segments.
-SIM_RING = RingSettings(capacity=16 << 10)
+#: How a stage of a world on the ``ring`` store hands chunks over: on rings so small that a few
+#: chunks fill one and the scenarios wrap around it, find it full and fall back to segments.
+SIM_RING = StageTransport(send_ring_bytes=16 << 10, receive_ring=True)
 
 #: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
 #: each), so up to 64 consumed keys have been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
@@ -160,8 +161,7 @@ class World:
 
     def transport(self) -> dict[str, Any]:
         """How a stage's connector sends and receives on this world's store."""
-        ring = self.store_kind == "ring"
-        return {"send_ring": SIM_RING if ring else None, "receive_ring": ring}
+        return (SIM_RING if self.store_kind == "ring" else StageTransport()).connector_options()
 
     def _raw(self, store: Store) -> Store:
         return store.store if isinstance(store, ProcessStore) else store

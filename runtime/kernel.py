@@ -148,3 +148,26 @@ def use_kernel(kernel: Kernel) -> Iterator[Kernel]:
         yield kernel
     finally:
         _current.reset(token)
+
+
+async def wait_until(
+    ready: Callable[[], bool], *, what: str, key: str, limit_s: float, first_s: float, max_s: float
+) -> bool:
+    """Ask ``ready()`` until it says yes, backing off from ``first_s`` (doubling, at most
+    ``max_s``) for at most ``limit_s``; False if it never did. A wait that happens is noted
+    (``wait.begin``/``wait.end`` on ``what`` and ``key``), so its bound can be checked."""
+    if ready():
+        return True
+    k = current_kernel()
+    k.note("wait.begin", what=what, key=key, limit_us=round(limit_s * 1e6))
+    deadline = k.now() + limit_s
+    backoff = first_s
+    try:
+        while not ready():
+            if k.now() >= deadline:
+                return False
+            await k.sleep(backoff)
+            backoff = min(backoff * 2, max_s)
+        return True
+    finally:
+        k.note("wait.end", what=what, key=key)

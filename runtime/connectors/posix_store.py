@@ -94,6 +94,15 @@ def _is_ours(path: str, what: str) -> bool:
     return True
 
 
+def _try_flock(fd: int) -> bool:
+    """Take ``fd``'s exclusive ``flock`` if nobody holds it; never waits."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class _PosixSegment:
     """A segment used through its file descriptor: ``pwrite`` and ``preadv`` copy straight
     between the segment's pages and the caller's memory, with no mapping to fault in."""
@@ -158,12 +167,8 @@ class _PosixLock:
 
     def try_acquire(self) -> bool:
         assert self._fd is not None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        self._held = True
-        return True
+        self._held = _try_flock(self._fd)
+        return self._held
 
     def release(self) -> None:
         if self._held and self._fd is not None:
@@ -203,12 +208,8 @@ class _PosixRing:
     def try_lock(self) -> bool:
         if self._held or self._map is None:
             return False  # ``flock`` would grant it again: another task of this process holds it
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        self._held = True
-        return True
+        self._held = _try_flock(self._fd)
+        return self._held
 
     def unlock(self) -> None:
         if self._held:

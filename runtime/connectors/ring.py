@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from runtime.config.deploy import DEFAULT_RING_BYTES
 from runtime.connectors.namespaces import Owner
 from runtime.connectors.stores import RingMemory, Store, StoreError
-from runtime.kernel import current_kernel
+from runtime.kernel import wait_until
 
 MAGIC = b"OMRG"
 VERSION = 1
@@ -365,20 +365,11 @@ class locked:
         self._key = key
 
     async def __aenter__(self) -> None:
-        if self._memory.try_lock():
-            return
-        k = current_kernel()
-        k.note("wait.begin", what="ring", key=self._key, limit_us=round(self._wait_s * 1e6))
-        deadline = k.now() + self._wait_s
-        backoff = LOCK_RETRY_S
-        try:
-            while not self._memory.try_lock():
-                if k.now() >= deadline:
-                    raise RingBusy(f"the ring's lock stayed held for more than {self._wait_s:g}s")
-                await k.sleep(backoff)
-                backoff = min(backoff * 2, LOCK_RETRY_MAX_S)
-        finally:
-            k.note("wait.end", what="ring", key=self._key)
+        ready = self._memory.try_lock
+        if not await wait_until(
+            ready, what="ring", key=self._key, limit_s=self._wait_s, first_s=LOCK_RETRY_S, max_s=LOCK_RETRY_MAX_S
+        ):
+            raise RingBusy(f"the ring's lock stayed held for more than {self._wait_s:g}s")
 
     async def __aexit__(self, *exc: object) -> None:
         self._memory.unlock()

@@ -42,7 +42,7 @@ from runtime.connectors.ring import Ring, RingSettings, locked
 from runtime.connectors.stores import LockFile, Segment, Store, StoreError
 from runtime.connectors.wakeup import Wakeups
 from runtime.connectors.wire import BufferIO, EncodedFrame, FrameDecoder, FrameIO, WireDecodeError, WireEncodeError
-from runtime.kernel import current_kernel
+from runtime.kernel import current_kernel, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -147,21 +147,15 @@ class ShmConnector:
         """Wait until no other put of ``key`` is in flight in this process — one key's payload
         is in one place, which two puts deciding at once (ring or segment) could break — at most
         ``lock_timeout_s``, as long as for a key's lock file; then :class:`LockTimeout`."""
-        if key in self._putting:
-            k = current_kernel()
-            k.note("wait.begin", what="put", key=key, limit_us=round(self.lock_timeout_s * 1e6))
-            deadline = k.now() + self.lock_timeout_s
-            backoff = LOCK_RETRY_S
-            try:
-                while key in self._putting:
-                    if k.now() >= deadline:
-                        raise LockTimeout(
-                            f"another put of {key!r} stayed in flight for more than {self.lock_timeout_s:g}s"
-                        )
-                    await k.sleep(backoff)
-                    backoff = min(backoff * 2, LOCK_RETRY_MAX_S)
-            finally:
-                k.note("wait.end", what="put", key=key)
+        if not await wait_until(
+            lambda: key not in self._putting,
+            what="put",
+            key=key,
+            limit_s=self.lock_timeout_s,
+            first_s=LOCK_RETRY_S,
+            max_s=LOCK_RETRY_MAX_S,
+        ):
+            raise LockTimeout(f"another put of {key!r} stayed in flight for more than {self.lock_timeout_s:g}s")
         self._putting.add(key)
 
     async def _put_on_ring(self, from_stage: str, to_stage: str, key: str, frame: EncodedFrame) -> bool:
@@ -441,14 +435,10 @@ class ShmConnector:
         if claim is not None and not claim():
             return None
         await k.point("shm.get.locked", key=key)
-        error: Exception | None = None
-        obj: Any = None
         with ring.payload(frame) as view:
             io = BufferIO(view)
             try:
-                obj = await self._decode(io)
-            except WireDecodeError as e:
-                error = e
+                obj, error = await self._decoded(io)
             finally:
                 io.close()
         if not ring.memory.closed:  # (closed: the connector closed under this get)
@@ -492,14 +482,9 @@ class ShmConnector:
         """Copy the payload out, then remove the segment and lock file — decoded or not."""
         k = current_kernel()
         size = segment.size
-        obj: Any = None
-        error: Exception | None = None
         try:
             await k.point("shm.get.locked", key=key)
-            try:
-                obj = await self._decode(segment)
-            except WireDecodeError as e:
-                error = e
+            obj, error = await self._decoded(segment)
         finally:
             segment.close()
         try:
@@ -514,6 +499,14 @@ class ShmConnector:
         finally:
             self._remove_lock_after_read(key, lock)
         return obj, size, error
+
+    @classmethod
+    async def _decoded(cls, source: FrameIO) -> tuple[Any, WireDecodeError | None]:
+        """The decoded payload, or the reason the bytes are not an intact frame."""
+        try:
+            return await cls._decode(source), None
+        except WireDecodeError as e:
+            return None, e
 
     @staticmethod
     async def _decode(segment: FrameIO) -> Any:
