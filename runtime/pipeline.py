@@ -50,7 +50,8 @@ def build_engine(
     handles: dict[int, StageHandle] = {}
     engine = Orchestrator(config, handles, aligner=models.aligner, meter=meter)
     launch = StageLaunch(
-        pipeline=config.name,
+        pipeline=config.raw,
+        source=config.source,
         async_chunk=config.deploy.async_chunk,
         wake_namespace=store.namespace,
         input_wait_timeout_s=input_wait_timeout_s,

@@ -41,7 +41,9 @@ STOP_GRACE_S = 5.0
 class StageLaunch:
     """What every stage process of one engine is started with."""
 
-    pipeline: str
+    #: The pipeline's parsed YAML and where it came from (see :attr:`PipelineConfig.raw`).
+    pipeline: Any
+    source: str
     async_chunk: bool
     wake_namespace: str
     device: str = "cpu"
@@ -168,6 +170,7 @@ class ProcessStage(Supervised):
         head_end, stage_end = socket.socketpair()
         spec = {
             "pipeline": self.launch.pipeline,
+            "source": self.launch.source,
             "async_chunk": self.launch.async_chunk,
             "stage_id": self.spec.stage_id,
             "namespace": self.namespace,

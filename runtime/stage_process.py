@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.config.pipeline import PipelineConfig, load_pipeline
+from runtime.config.pipeline import PipelineConfig, build_pipeline
 from runtime.config.topology import StageSpec
 from runtime.connectors.namespaces import ProcTable, owner_state
 from runtime.connectors.posix_store import PosixStore
@@ -47,8 +47,9 @@ FAILURES_S = 0.05
 _MODELS = {"thinker": Thinker, "talker": Talker, "code2wav": Code2Wav}
 
 
-def pipeline_config(name: str, async_chunk: bool) -> PipelineConfig:
-    config = load_pipeline(name)
+def pipeline_config(raw: object, source: str, async_chunk: bool) -> PipelineConfig:
+    """The head's config, rebuilt from the YAML it read (checked again: the same checks)."""
+    config = build_pipeline(raw, source)
     if not async_chunk:
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     return config
@@ -184,7 +185,7 @@ class StageServer:
 async def serve(spec: dict[str, Any]) -> None:
     """Build the stage ``spec`` describes and serve the head until it says stop or goes away;
     whatever happens, this process's namespace is swept before it exits."""
-    config = pipeline_config(spec["pipeline"], spec["async_chunk"])
+    config = pipeline_config(spec["pipeline"], spec["source"], spec["async_chunk"])
     stage_spec = config.stage(spec["stage_id"])
     model = _MODELS[stage_spec.model](device=spec.get("device", "cpu"))
     store = PosixStore(spec["namespace"], claim=True)

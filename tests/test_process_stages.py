@@ -9,14 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
 import trio
+import yaml
 
 from runtime.client import ClientOutput, generate
-from runtime.config.pipeline import load_pipeline
+from runtime.config.pipeline import PipelineConfig, load_pipeline
 from runtime.connectors.posix_store import PosixStore
 from runtime.orchestrator import SHUT_DOWN, Orchestrator
 from runtime.pipeline import Models, PipelineResult, build_engine, run_request
@@ -27,14 +29,14 @@ MODELS = Models.build()
 LONG_TEXT = "streaming audio should start before the whole sentence is done, and go on for a while"
 
 
-def engine_on(store: PosixStore, *, processes: bool) -> Orchestrator:
-    return build_engine(load_pipeline("qwen3_omni"), MODELS, store, processes=processes)
+def engine_on(store: PosixStore, *, processes: bool, config: PipelineConfig | None = None) -> Orchestrator:
+    return build_engine(config or load_pipeline("qwen3_omni"), MODELS, store, processes=processes)
 
 
-def run_alone(text: str, *, processes: bool) -> PipelineResult:
+def run_alone(text: str, *, processes: bool, config: PipelineConfig | None = None) -> PipelineResult:
     store = PosixStore()
     try:
-        return trio.run(run_request, engine_on(store, processes=processes), store, text)
+        return trio.run(run_request, engine_on(store, processes=processes, config=config), store, text)
     finally:
         store.sweep()
 
@@ -50,6 +52,20 @@ def test_the_process_engine_gives_the_in_process_audio_and_leaves_nothing() -> N
     assert split.audio.numel() > 0
     assert torch.equal(split.audio, alone.audio)
     assert split.text == alone.text
+
+
+def test_stage_processes_run_the_config_file_the_head_read(tmp_path: Path) -> None:
+    """Not a shipped pipeline of the same name: a file's own pipeline (one no shipped config
+    is named after), which each stage process rebuilds from what the head parsed."""
+    shipped = yaml.safe_load(resources.files("runtime.config").joinpath("configs/qwen3_omni.yaml").read_text())
+    shipped["pipeline"]["name"] = "my_own_omni"
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(shipped))
+    config = load_pipeline(path)
+    alone = run_alone("hello world", processes=False, config=config)
+    split = run_alone("hello world", processes=True, config=config)
+    assert split.error is None and split.residue == {}
+    assert torch.equal(split.audio, alone.audio)
 
 
 def test_a_killed_talker_fails_only_its_requests_and_comes_back() -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -31,6 +32,9 @@ class PipelineConfig:
     topology: Topology
     deploy: DeployConfig
     source: str = "<config>"
+    #: The parsed YAML this was built from: a stage process builds its config from it, so it
+    #: runs exactly what the head read (a file's pipeline too, not a shipped one of that name).
+    raw: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.deploy.stages) != len(self.topology.stages):
@@ -127,7 +131,7 @@ def build_pipeline(raw: object, source: str = "<config>") -> PipelineConfig:
         deploy = parse_deploy(fields.get("deploy"), len(topology.stages))
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
-    return PipelineConfig(topology, deploy, source)
+    return PipelineConfig(topology, deploy, source, raw)
 
 
 def shipped_pipelines() -> tuple[str, ...]:
