@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnisim.base import (
     ENGINE_STORES,
@@ -41,6 +41,11 @@ from omnisim.base import (
     writable_dir,
     writable_file,
 )
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import SimpleQueue
+
+    from omnisim.progress import Sofar
 
 DEFAULT_BUDGET = 200
 #: ``check`` runs this share of its schedules twice, comparing the traces (determinism is a feature).
@@ -162,7 +167,7 @@ def _add_run_options(sp: argparse.ArgumentParser, *, store_default: str | None =
     )
 
 
-def _add_jobs(sp: argparse.ArgumentParser) -> None:
+def _add_jobs(sp: argparse.ArgumentParser, *, ray: bool = False) -> None:
     sp.add_argument(
         "--jobs",
         type=positive_int,
@@ -178,6 +183,13 @@ def _add_jobs(sp: argparse.ArgumentParser) -> None:
         help="only the I-th of N equal shares of the work (0 ≤ I < N), for a CI matrix: "
         "the N shards together run exactly what one run without --shard does",
     )
+    if ray:
+        sp.add_argument(
+            "--ray",
+            metavar="ADDRESS",
+            help="run the explorations as tasks on a Ray cluster (`local`: start one on this machine; or an "
+            "address for ray.init, like `auto`), with the same results; Ray is an optional extra",
+        )
 
 
 def shard(text: str) -> tuple[int, int]:
@@ -242,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("omnisim check", "omnisim check --budget 50 --store memory", "omnisim check --jobs 2"),
     )
     _add_run_options(sp, store_default=None)
-    _add_jobs(sp)
+    _add_jobs(sp, ray=True)
     sp.add_argument(
         "--budget",
         type=positive_int,
@@ -282,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("scenario", nargs="?", help="a scenario name (`omnisim list scenarios`)")
     sp.add_argument("--all", action="store_true", help="explore every scenario")
-    _add_jobs(sp)
+    _add_jobs(sp, ray=True)
     _add_run_options(sp)
     _add_scenario_options(sp)
     sp.add_argument(
@@ -691,6 +703,11 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
 #: What a command that explores has finished so far, for the summary an interrupt prints.
 _progress: list[Any] = []
 
+#: How often a worker tells the live bar of ``--jobs N`` what it has run (seconds).
+LIVE_EVERY_S = 0.25
+#: In a worker: where it reports that (set by :func:`init_worker`; empty when nothing is live).
+_sofar: list[SimpleQueue[tuple[int, Sofar]]] = []
+
 
 @contextmanager
 def _tracked(progress: Any) -> Iterator[Any]:
@@ -710,6 +727,12 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
     jobs = jobs[index::count]
     with _tracked(Progress.for_command(explore_lines, json_output=args.json)) as progress:
         progress.plan([kwargs["budget"] for _, kwargs in jobs])
+        if args.ray:
+            from omnisim.ray_campaign import explore_on_ray
+
+            budgets = iter([kwargs["budget"] for _, kwargs in jobs])
+            explore_on_ray(args.ray, jobs, lambda summary: progress.done(summary, next(budgets)), args.plugin)
+            return progress.finished
         if args.jobs > 1:
             _explore_in_processes(args.jobs, jobs, progress, args.plugin)
             return progress.finished
@@ -736,19 +759,27 @@ def _explore_in_processes(
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 
+    context = multiprocessing.get_context("spawn")
+    live = progress.campaign_bar()
+    # Workers report what they have run so far here, for the live bar (a SimpleQueue: no feeder thread).
+    sofar = context.SimpleQueue() if live is not None else None
     pool = ProcessPoolExecutor(
         processes,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_worker_init,
-        initargs=(plugins, logging.getLogger().level),
+        mp_context=context,
+        initializer=init_worker,
+        initargs=(plugins, logging.getLogger().level, sofar),
     )
-    futures: list[Future[dict[str, Any]]] = [pool.submit(_explore_job, scenario, kwargs) for scenario, kwargs in jobs]
+    futures: list[Future[dict[str, Any]]] = [
+        pool.submit(explore_job, scenario, kwargs, i) for i, (scenario, kwargs) in enumerate(jobs)
+    ]
     reported = 0
 
     def report_ready(*, stopping: bool = False) -> None:
         """Report the finished explorations that come next in the jobs' order. While stopping,
         one that never ran (cancelled, or its worker gone) ends the report."""
         nonlocal reported
+        while sofar is not None and live is not None and not sofar.empty():
+            live(*sofar.get())
         while reported < len(futures) and futures[reported].done():
             future = futures[reported]
             if stopping and (future.cancelled() or future.exception() is not None):
@@ -759,7 +790,7 @@ def _explore_in_processes(
     try:
         pending = set(futures)
         while pending:
-            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+            _, pending = wait(pending, timeout=LIVE_EVERY_S if live else None, return_when=FIRST_COMPLETED)
             report_ready()
     except BaseException:
         for future in futures:
@@ -775,7 +806,10 @@ def _explore_in_processes(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _worker_init(plugins: list[str], log_level: int) -> None:
+def init_worker(plugins: list[str], log_level: int, sofar: SimpleQueue[tuple[int, Sofar]] | None = None) -> None:
+    """Make a worker process (of the pool, or of Ray) ready to explore: the plugins loaded, and
+    where to report what each exploration has run so far (``sofar``: for a live bar)."""
+    _sofar[:] = [sofar] if sofar is not None else []
     # Ctrl-C reaches the whole process group: the parent decides, and stops its workers with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -784,11 +818,24 @@ def _worker_init(plugins: list[str], log_level: int) -> None:
     registry.load(plugins)
 
 
-def _explore_job(scenario: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def explore_job(scenario: str, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    """One exploration in a worker: its summary (a partial one if it was stopped). What it has run
+    so far goes to the worker's ``sofar`` queue, if it has one, at most every ``LIVE_EVERY_S``."""
     from omnisim import explore as ex
+    from omnisim.progress import Sofar
+
+    sent = [0.0]
+
+    def on_schedule(result: ex.ExploreResult, *, last: bool = False) -> None:
+        now = time.monotonic()
+        if _sofar and (last or now - sent[0] >= LIVE_EVERY_S):
+            sent[0] = now
+            _sofar[0].put((index, Sofar.of(result)))
 
     try:
-        return ex.explore(scenario, **kwargs).summary()
+        result = ex.explore(scenario, on_schedule=on_schedule, **kwargs)
+        on_schedule(result, last=True)  # before the summary goes back: the bar counts all of it
+        return result.summary()
     except ex.Interrupted as stop:
         return stop.partial.summary()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -36,6 +37,8 @@ class Progress:
         self._bar: tqdm | None = None
         self._budget_done = 0
         self._budget_total: int | None = None
+        #: One bar for the whole campaign stays up while explorations finish (see campaign_bar).
+        self._campaign = False
 
     @classmethod
     def for_command(cls, describe: Describe, *, json_output: bool, total: int | None = None) -> Progress:
@@ -74,18 +77,64 @@ class Progress:
         elapsed = time.perf_counter() - self.started
         return elapsed / done * (self._budget_total - done) if done else None
 
+    def campaign_bar(self) -> Callable[[int, Sofar], None] | None:
+        """One bar for explorations running side by side (``--jobs N``): schedules of the whole
+        campaign's budget, schedules per second, distinct traces and violations so far. The
+        returned callback takes an exploration's index and what it has run so far; None when
+        nothing is shown live."""
+        if not self.live:
+            return None
+        self.close_bar()
+        self._bar = tqdm(total=self._budget_total, desc="explorations", unit="sched", file=sys.stderr, leave=False)
+        self._campaign = True
+        latest: dict[int, Sofar] = {}
+
+        def update(index: int, sofar: Sofar) -> None:
+            bar = self._bar
+            if bar is None:
+                return
+            latest[index] = sofar
+            bar.update(sum(s.schedules for s in latest.values()) - bar.n)
+            bar.set_postfix(
+                {
+                    "done": f"{len(self.finished)}/{self.total}",
+                    "traces": sum(s.traces for s in latest.values()),
+                    "violations": sum(s.violations for s in latest.values()),
+                },
+                refresh=False,
+            )
+
+        return update
+
     def done(self, summary: dict[str, Any], budget: int | None = None) -> None:
         """One exploration ended (or was interrupted): print its lines and keep its summary."""
-        self.close_bar()
+        if not self._campaign:
+            self.close_bar()
         self.finished.append(summary)
         self._budget_done += budget if budget is not None else summary["schedules"]
         for line in self.describe(summary):
-            print(line, file=self.out, flush=True)
+            if self._bar is not None:
+                tqdm.write(line, file=self.out)  # above the campaign's bar, which stays
+            else:
+                print(line, file=self.out, flush=True)
 
     def close_bar(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+@dataclass(frozen=True)
+class Sofar:
+    """What one exploration has run so far, as a worker reports it to the campaign's bar."""
+
+    schedules: int
+    traces: int
+    violations: int
+
+    @classmethod
+    def of(cls, result: ExploreResult) -> Sofar:
+        return cls(result.schedules, len(result.traces), result.violation_count)
 
 
 def _ignore(_: ExploreResult) -> None:

@@ -8,12 +8,18 @@ violation was found, 2 a usage or setup error. With ``--json`` the last line is 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import pty
+import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import time
 from collections.abc import Iterator
@@ -632,6 +638,43 @@ def test_explorations_in_processes_give_the_same_results(capsys: pytest.CaptureF
         ]
 
     assert results("2") == results("1")
+
+
+def test_explorations_in_processes_show_one_live_bar_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal, ``--jobs N`` shows the campaign's schedules, distinct traces and violations
+    as the workers run them, and each finished exploration's lines above the bar."""
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    argv = [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "4", "--jobs", "2"]
+    argv += ["--out", str(tmp_path)]
+    process = subprocess.Popen(argv, stdout=secondary, stderr=secondary, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    os.close(secondary)
+    shown = bytearray()
+    with contextlib.suppress(OSError):  # EIO once the process closed its end
+        while chunk := os.read(primary, 65536):
+            shown += chunk
+    os.close(primary)
+    assert process.wait(timeout=60) == 0, shown.decode(errors="replace")
+    text = shown.decode(errors="replace")
+    assert "explorations:" in text and "sched/s" in text
+    assert re.search(r"done=\d+/\d+, traces=\d+, violations=0", text), text[-2000:]
+    assert text.count("no violation") == len(registry.SCENARIOS)
+
+
+def test_explorations_on_ray_give_the_same_results(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+
+    def results(*how: str) -> list[dict[str, Any]]:
+        args = ["explore", "--all", "--budget", "3", "--store", "posix", "--out", str(tmp_path), "--json", *how]
+        code, out, err = omnisim(capsys, *args)
+        assert code == 0, err
+        return [
+            {k: v for k, v in r.items() if k not in ("seconds", "schedules_per_s")} for r in last_json(out)["results"]
+        ]
+
+    on_ray = results("--ray", "local")
+    assert len(on_ray) == len(registry.SCENARIOS)
+    assert on_ray == results("--jobs", "1")
 
 
 def test_hypothesis_tries_a_schedule_that_failed_before_first(
