@@ -74,3 +74,27 @@ def bounded_wait(world: ObservedWorld) -> list[str]:
                 f"began, past its {limit / 1e6:g}s deadline"
             )
     return out
+
+
+#: What may make a put or a get fail: something the world did to the data plane.
+CAUSES = ("fault", "process.killed", "process.paused", "kernel.killed", "world.owner_died", "stage.died")
+#: A put or a get that failed: a storage or encoding error, a corrupt chunk, a chunk that never comes.
+FAILURES = ("shm.put.failed", "shm.get.corrupt", "adapter.receive_failed")
+
+
+@invariant(
+    "failures-have-causes",
+    "a put or a get fails (a storage error, a corrupt chunk, a chunk that will never arrive) only after the world "
+    "gave a cause: an injected fault, a killed or paused process",
+)
+def failures_have_causes(world: ObservedWorld) -> list[str]:
+    out = []
+    for ev in world.trace:
+        if ev.name in CAUSES:
+            return out  # from here on a failure may be what that caused
+        if ev.name in FAILURES:
+            what = ", ".join(f"{k}={v}" for k, v in sorted(ev.attrs.items()))
+            out.append(
+                f"{ev.task}: {ev.name} ({what}) with no fault injected and no process killed or paused before it"
+            )
+    return out

@@ -136,3 +136,32 @@ def aligner_complete(world: ObservedWorld) -> list[str]:
                     "the aligner did not see the whole waveform"
                 )
     return out
+
+
+@invariant(
+    "no-lost-wakeup",
+    "a receiver waiting for its stage's wakeup is woken by every put to that stage made while it waits: it never "
+    "sits out its timeout with a chunk there",
+)
+def no_lost_wakeup(world: ObservedWorld) -> list[str]:
+    out = []
+    waiting: dict[str, str] = {}  # task -> the stage whose wakeup it waits for
+    missed: dict[str, str] = {}  # task -> the key of a put that should have woken it
+    for ev in world.trace:
+        on = str(ev.attrs.get("on", ""))
+        if ev.name == "kernel.wait" and on.startswith("signal:wakeup."):
+            waiting[ev.task] = on.removeprefix("signal:wakeup.")
+            missed.pop(ev.task, None)
+        elif ev.name == "shm.put.wake":
+            for task, stage in waiting.items():
+                if stage == str(ev.attrs["to"]):
+                    missed.setdefault(task, str(ev.attrs["key"]))
+        elif ev.task in waiting:
+            del waiting[ev.task]
+            key = missed.pop(ev.task, None)
+            if key is not None and ev.name == "kernel.timeout":
+                out.append(
+                    f"{ev.task} sat out its wait for stage {on.removeprefix('signal:wakeup.')}'s wakeup "
+                    f"though {key} was put for that stage while it waited"
+                )
+    return out

@@ -21,6 +21,7 @@ POINTS: dict[str, tuple[str, str]] = {
         "point",
         "the commit trailer is written: the frame reads as complete (a ring frame is published right after) [key]",
     ),
+    "shm.put.wake": ("note", "the put wakes the receivers of its stage, whoever waits for a chunk there [key, to]"),
     "shm.put.end": ("point", "the put succeeded: the key is tracked and receivers were woken [key]"),
     "shm.put.failed": ("note", "a put reported failure (storage or encoding error) [key, error]"),
     "shm.get.begin": ("point", "a non-blocking get looks for the key [key]"),
@@ -92,6 +93,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "scenario.shutdown.wait": ("point", "a scenario lets the engine run before it shuts it down in flight"),
     "kernel.block": ("note", "a task blocked on a held lock [on]"),
     "kernel.wait": ("note", "a task waits on a signal or sleeps [on]"),
+    "kernel.timeout": ("note", "a task's wait on a signal ended by its timeout, not by a notify [on]"),
     "kernel.crash": ("note", "a task died with an exception [error]"),
     "fault": ("note", "an injected fault fired [kind, at]"),
 }

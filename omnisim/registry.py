@@ -42,6 +42,8 @@ DEFAULT_INVARIANTS = (
     "abort-non-blocking",
     "liveness",
     "no-crash",
+    "failures-have-causes",
+    "no-lost-wakeup",
 )
 
 

@@ -192,8 +192,10 @@ class _SimSignal:
         self.waiters.append(me)
         k._emit(me, "kernel.wait", {"on": f"signal:{self.name}"})
         await k._yield(me)
-        if not me.notified and me in self.waiters:
-            self.waiters.remove(me)
+        if not me.notified:
+            if me in self.waiters:
+                self.waiters.remove(me)
+            k._emit(me, "kernel.timeout", {"on": f"signal:{self.name}"})
         return me.notified
 
 

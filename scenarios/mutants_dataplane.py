@@ -16,6 +16,7 @@ from runtime.connectors import namespaces, posix_store, stores, wire
 from runtime.connectors.namespaces import Owner, ProcessTable
 from runtime.connectors.shm import LOCK_RETRY_MAX_S, ShmConnector
 from runtime.connectors.stores import LockFile
+from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import current_kernel
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
 
@@ -136,3 +137,35 @@ def producer_death_ignored() -> Iterator[Patch]:
 def segment_never_closed() -> Iterator[Patch]:
     yield Patch(stores._MemReader, "close", wire.BufferIO.close)
     yield Patch(posix_store._PosixSegment, "close", lambda self: None)
+
+
+@mutant(
+    "checksum_covers_padding",
+    summary="the writer's checksum also covers the zero padding after the header, which the reader's does not: "
+    "every chunk whose header is not aligned reads as corrupt, with nothing in the world to corrupt it",
+    issue="omnisim issue 11 (a blind spot of the mutation score: a put that fails every get went unnoticed)",
+    scenarios=("abort_during_put", "pipeline_requests"),
+    expect=("failures-have-causes",),
+)
+def checksum_covers_padding() -> Iterator[Patch]:
+    def checksum(self: wire.EncodedFrame) -> int:
+        digest = wire.new_digest()
+        digest.update(self._head())
+        for _, data in self._buffers:
+            if data.nbytes:
+                digest.update(data)
+        return digest.intdigest()
+
+    yield Patch(wire.EncodedFrame, "checksum", checksum)
+
+
+@mutant(
+    "wakeup_counts_nothing",
+    summary="the wakeup bus neither counts a put nor wakes anyone: every receiver waiting for a chunk sits out "
+    "its poll timeout, however soon the chunk was there",
+    issue="omnisim issue 11 (a blind spot of the mutation score: a put that woke nobody went unnoticed)",
+    scenarios=("pipeline_requests", "abort_during_put"),
+    expect=("no-lost-wakeup",),
+)
+def wakeup_counts_nothing() -> Iterator[Patch]:
+    yield Patch(LocalWakeups, "notify", lambda self, to_stage: None)

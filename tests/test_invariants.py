@@ -104,3 +104,29 @@ def test_no_leaked_handle_names_the_handle_the_store_and_the_moment() -> None:
     assert INVARIANTS["no-leaked-handle"].check(world("segment R_1_0")) == [
         "segment R_1_0 of the memory ns0 store is still open at quiescence"
     ]
+
+
+def test_failures_have_causes_wants_a_fault_or_a_kill_before_a_failure() -> None:
+    corrupt = ("shm.get.corrupt", {"key": "R_1_0"})
+    assert INVARIANTS["failures-have-causes"].check(world_of(("fault", {"kind": "corrupt_bytes"}), corrupt)) == []
+    assert INVARIANTS["failures-have-causes"].check(world_of(("process.paused", {"process": "stage1"}), corrupt)) == []
+    (message,) = INVARIANTS["failures-have-causes"].check(world_of(corrupt, ("fault", {"kind": "corrupt_bytes"})))
+    assert "shm.get.corrupt (key=R_1_0)" in message and "no fault" in message
+
+
+def test_no_lost_wakeup_flags_a_timeout_after_a_put_for_the_waiting_stage() -> None:
+    def world(*events: tuple[str, str, dict[str, object]]) -> ObservedWorld:
+        trace = [TraceEvent(i, 0, task, name, attrs) for i, (task, name, attrs) in enumerate(events)]  # type: ignore[arg-type]
+        return ObservedWorld(trace=trace, snapshots=[], streams={}, crashes=[])
+
+    wait = ("recv2", "kernel.wait", {"on": "signal:wakeup.2"})
+    timeout = ("recv2", "kernel.timeout", {"on": "signal:wakeup.2"})
+    put_for_2 = ("send", "shm.put.wake", {"key": "R_1_0", "to": "2"})
+    put_for_1 = ("send", "shm.put.wake", {"key": "R_0_0", "to": "1"})
+    woken = ("recv2", "shm.get.begin", {"key": "R_1_0"})
+    check = INVARIANTS["no-lost-wakeup"].check
+    assert check(world(wait, put_for_2, woken)) == []  # woken by the put
+    assert check(world(put_for_2, wait, timeout)) == []  # the put came before the wait began
+    assert check(world(wait, put_for_1, timeout)) == []  # a put for another stage
+    (message,) = check(world(wait, put_for_2, timeout))
+    assert "recv2" in message and "R_1_0" in message and "stage 2" in message

@@ -137,6 +137,7 @@ class ShmConnector:
             k.note("shm.put.failed", key=put_key, error=type(e).__name__)
             return PutResult(False, 0, {"error": str(e)})
         if self._wakeups is not None:
+            k.note("shm.put.wake", key=put_key, to=to_stage)
             self._wakeups.notify(to_stage)
         self._puts += 1
         self._bytes += frame.size
