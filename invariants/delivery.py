@@ -88,8 +88,8 @@ def _last_line(traceback: str) -> str:
 def samples_exactly_once(world: ObservedWorld) -> list[str]:
     out = []
     for s in world.streams.values():
-        if s.outcome != "finished" or not s.sent_frames:
-            continue
+        if s.outcome != "finished" or not s.sent_frames or s.vetoable:
+            continue  # (where chunks may be vetoed, no-corrupt-accept checks what did arrive)
         if s.received_frames != s.sent_frames:
             first = next(
                 (i for i, (a, b) in enumerate(zip(s.sent_frames, s.received_frames, strict=False)) if a != b),

@@ -106,6 +106,9 @@ class Stream:
     #: False where the sender stage is finished externally: its queued chunks may be vetoed, but
     #: the terminal must still arrive (#6670).
     complete_required: bool = True
+    #: Its sender is finished externally with chunks queued: they may be vetoed, so the frames
+    #: that arrive need not be all of them (only the terminal must come).
+    vetoable: bool = False
 
     @property
     def frames_received(self) -> int:

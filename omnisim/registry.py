@@ -44,6 +44,7 @@ DEFAULT_INVARIANTS = (
     "no-crash",
     "failures-have-causes",
     "no-lost-wakeup",
+    "no-corrupt-accept",
 )
 
 

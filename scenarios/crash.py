@@ -40,7 +40,7 @@ from runtime.request import RequestStatus
 from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, EdgeRequest, codec_frames, synthetic_codec_chunk
 
 #: The invariants of the data plane, on top of the defaults.
-DATA_PLANE = (*DEFAULT_INVARIANTS, "no-corrupt-accept", "no-residue-after-sweep", "bounded-wait")
+DATA_PLANE = (*DEFAULT_INVARIANTS, "no-residue-after-sweep", "bounded-wait")
 #: How soon a consumer must learn that its producer died (issue 9: "within one second").
 PRODUCER_NOTICE_S = 1.0
 #: How long a scenario's client waits for its request before it gives up (a hang, for liveness).

@@ -99,8 +99,12 @@ async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = T
         if finish and i == len(chunk_frames) - 1:
             req.sender.status = RequestStatus.FINISHED_STOPPED
         req.sender.num_computed_tokens += n
-        accepted = await req.talker.adapter.save_async({"frames": codec_frames(n, offset)}, req.sender)
+        frames = codec_frames(n, offset)
+        # Recorded before the hand-off, as what a consumer may accept: checked by content.
+        req.stream.sent_frames.extend(tuple(frames[:, j].tolist()) for j in range(n))
+        accepted = await req.talker.adapter.save_async({"frames": frames}, req.sender)
         if not accepted:
+            del req.stream.sent_frames[-n:]
             await fail(req, "refused by save_async")
             return False
         req.stream.frames_sent += n
@@ -138,6 +142,8 @@ async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) ->
         codes = (request.additional_information or {}).get("codes", {})
         audio = codes.pop("audio", None)
         frames = int(audio.shape[1]) if isinstance(audio, torch.Tensor) and audio.ndim >= 2 else 0
+        if frames:
+            req.stream.received_frames.extend(tuple(audio[:, j].tolist()) for j in range(frames))
         finished = adapter.is_done_receiving_chunks(request.request_id)
         req.stream.chunks.append((frames, finished))
         if finished:

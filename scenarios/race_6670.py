@@ -24,6 +24,7 @@ from scenarios.edge import EdgeRequest, abort, consume, edge_scenario, produce, 
 async def abort_with_terminal_queued(world: World) -> None:
     finished = EdgeRequest(world, "R")
     finished.stream.complete_required = False  # finished externally: queued chunks may be vetoed
+    finished.stream.vetoable = True
     failing = EdgeRequest(world, "F")
     failing.stream.allowed_outcomes = frozenset({"failed"})
     aborted = EdgeRequest(world, "A")
@@ -63,6 +64,7 @@ async def parked_sender_terminal(world: World) -> None:
     # Finishing the session vetoes its chunks still queued (cancellation vetoes all but the
     # terminal), so only the terminal is guaranteed.
     req.stream.complete_required = False
+    req.stream.vetoable = True
 
     async def stream_then_terminal_update() -> None:
         await produce(req, [4, 25], finish=False)
