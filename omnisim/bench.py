@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ import trio
 from omnisim import registry
 from omnisim.base import CommandFailed, UsageError
 from omnisim.explore import explore
-from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.posix_store import PosixStore, new_namespace
 from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import ShmConnector
 
@@ -321,6 +323,80 @@ def _memcpy_gbps(nbytes: int) -> float:
     return round(nbytes / statistics.median(times) / 1e9, 2)
 
 
+def bench_pages(labels: list[str]) -> list[dict[str, Any]]:
+    """Where a large chunk's time goes, and what each way of not paying for fresh pages would
+    save (issue 13): the segment path's own steps next to their alternatives, in the same run,
+    interleaved so drift hits them all alike (median of several rounds, ms)."""
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    for label in labels:
+        row = {"size": label, **_page_costs(SIZES[label][1][0] * torch.finfo(SIZES[label][0]).bits // 8)}
+        rows.append(row)
+        for way, ms in row.items():
+            if way != "size":
+                print(f"{label:>7}  {way:<48} {ms:>9.3f} ms")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    setting = thp.read_text().strip() if thp.exists() else "absent"
+    print(f"huge pages for shared memory ({thp}): {setting}")
+    rows.append({"shmem_hugepages": setting})
+    return rows
+
+
+def _page_costs(nbytes: int) -> dict[str, float]:
+    """The median time (ms) of each way to put and to get ``nbytes``, and of a plain copy."""
+    import mmap
+
+    import numpy as np
+    import posix_ipc
+
+    name = f"/omnisim-{new_namespace()}-bench-pages"
+    data = memoryview(torch.rand(nbytes // 4).numpy()).cast("B")
+    warm = np.empty(nbytes, np.uint8)
+    kept = posix_ipc.SharedMemory(name, posix_ipc.O_CREX)
+
+    def fresh_segment(populate: bool = False) -> None:
+        seg = posix_ipc.SharedMemory(name + "-x", posix_ipc.O_CREX)
+        try:
+            os.posix_fallocate(seg.fd, 0, nbytes)
+            if populate:
+                with mmap.mmap(seg.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as m:
+                    memoryview(m)[:] = data
+            else:
+                os.pwrite(seg.fd, data, 0)
+        finally:
+            os.close(seg.fd)
+            posix_ipc.unlink_shared_memory(name + "-x")
+
+    def populated_destination() -> None:
+        with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE) as anon:
+            os.preadv(kept.fd, [anon], 0)
+
+    ways: dict[str, Callable[[], object]] = {
+        "put: fresh segment (reserve + pwrite; today)": fresh_segment,
+        "put: fresh segment, MAP_POPULATE + copy": lambda: fresh_segment(populate=True),
+        "put: reused segment (pwrite only)": lambda: os.pwrite(kept.fd, data, 0),
+        "get: into a fresh tensor (preadv; today)": lambda: os.preadv(
+            kept.fd, [memoryview(torch.empty(nbytes // 4).numpy()).cast("B")], 0
+        ),
+        "get: into MAP_POPULATE'd memory": populated_destination,
+        "get: into warm memory (preadv only)": lambda: os.preadv(kept.fd, [warm], 0),
+        "memcpy": lambda: np.copyto(warm, np.frombuffer(data, np.uint8)),
+    }
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    try:
+        os.posix_fallocate(kept.fd, 0, nbytes)
+        os.pwrite(kept.fd, data, 0)
+        for _ in range(max(5, min(25, (512 << 20) // nbytes))):
+            for way, fn in ways.items():
+                start = time.perf_counter()
+                fn()
+                times[way].append(time.perf_counter() - start)
+    finally:
+        os.close(kept.fd)
+        posix_ipc.unlink_shared_memory(name)
+    return {way: round(statistics.median(t) * 1e3, 3) for way, t in times.items()}
+
+
 def upstream_script(given: str | None) -> str:
     """The script that times upstream's connector: ``--upstream-script``, or the copy in the
     omnisim reference material next to (or inside) this checkout. Missing: a usage error that
@@ -364,6 +440,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.what in ("pipeline", "all"):
         print("== one ~10 s utterance through the real pipeline (real kernel, /dev/shm, CPU)")
         payload["pipeline"] = bench_pipeline(args.runs, args.processes)
+    if args.what == "pages":
+        print("== a large chunk's pages: today's segment path next to its alternatives (median ms)")
+        payload["pages"] = bench_pages(["16MiB", "128MiB"])
     if args.what in ("reuse", "all"):
         print("== request latency on fresh and reused ids under a concurrent load (10 % reuse)")
         payload["reuse"] = bench_reuse(args.requests, args.concurrency)

@@ -472,10 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "what",
-        choices=("schedules", "pipeline", "connector", "reuse", "serve", "all"),
+        choices=("schedules", "pipeline", "connector", "pages", "reuse", "serve", "all"),
         nargs="?",
         default="all",
-        help="which benchmark (default: %(default)s; `serve` needs a running `omnisim serve` and is not in `all`)",
+        help="which benchmark (default: %(default)s; `serve` needs a running `omnisim serve` and is not in `all`; "
+        "`pages`, a large chunk's page costs next to their alternatives, is not in `all` either)",
     )
     _add_json(sp)
     sp.add_argument("--seconds", type=positive_float, default=3.0, help="time per scenario for `schedules`")
