@@ -160,13 +160,15 @@ class GenerationScheduler(StageScheduler):
         self, scheduled: list[ScheduledChunk], results: list[Any], finishing: list[Request]
     ) -> list[StageOutput]:
         outputs = []
-        done_now = {r.request_id for r in finishing}
+        # In the order they finished: a set's order would follow the string hash seed, and the
+        # cleanups' order is in the trace.
+        done_now = dict.fromkeys(r.request_id for r in finishing)
         for chunk, data in zip(scheduled, results, strict=True):
             rid = chunk.request.request_id
             done = self._input_complete(rid)
             outputs.append(StageOutput(rid, data, finished=done))
             if done:
-                done_now.add(rid)
+                done_now[rid] = None
         for request in finishing:
             outputs.append(StageOutput(request.request_id, None, finished=True))
         for rid in done_now:
