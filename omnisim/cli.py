@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from omnisim.progress import Sofar
 
 DEFAULT_BUDGET = 200
+#: A search runs until it has tried every schedule within its bound: that is its proof.
+DFS_BUDGET = 1_000_000
 #: ``check`` runs this share of its schedules twice, comparing the traces (determinism is a feature).
 CHECK_DETERMINISM_EVERY = 20
 REPORT_DIR = "reports/latest"
@@ -288,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples(
             "omnisim explore id_reuse_after_cancel --strategy pct --budget 200",
             "omnisim explore similar_ids --mutant prefix_cleanup --budget 50",
-            "omnisim explore abort_during_put --strategy dfs --delays 2 --budget 100000",
+            "omnisim explore id_reuse_after_cancel --strategy dfs --preemptions 2",
             "omnisim explore --all --budget 100 --json",
         ),
     )
@@ -298,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(sp)
     _add_scenario_options(sp)
     sp.add_argument(
-        "--budget", type=positive_int, default=DEFAULT_BUDGET, help="schedules per scenario (default: %(default)s)"
+        "--budget",
+        type=positive_int,
+        help=f"schedules per scenario (default: {DEFAULT_BUDGET}; dfs: until its bounded space is exhausted, "
+        f"at most {DFS_BUDGET:,})",
     )
     sp.add_argument("--time", type=positive_float, metavar="SECONDS", help="stop each scenario after this long")
     sp.add_argument(
@@ -857,7 +862,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     writable_dir(args.out)
     common = {
         "strategy": args.strategy,
-        "budget": args.budget,
+        "budget": args.budget or (DFS_BUDGET if args.strategy == "dfs" else DEFAULT_BUDGET),
         "time_limit": args.time,
         "seed": args.seed,
         "store": args.store,
