@@ -79,6 +79,19 @@ def bounded_wait(world: ObservedWorld) -> list[str]:
     return out
 
 
+@invariant(
+    "bad-input-refused",
+    "an invalid key, request id, text or payload is refused with the error for it, and the valid input next to it "
+    "goes through unchanged (checked by the hostile-input scenarios)",
+)
+def bad_input_refused(world: ObservedWorld) -> list[str]:
+    return [
+        f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
+        for e in world.trace
+        if e.name == "input.case" and e.attrs["got"] != e.attrs["want"]
+    ]
+
+
 #: What may make a put or a get fail: something the world did to the data plane.
 CAUSES = ("fault", "process.killed", "process.paused", "kernel.killed", "world.owner_died", "stage.died")
 #: A put or a get that failed: a storage or encoding error, a corrupt chunk, a chunk that never comes.

@@ -32,6 +32,17 @@ def test_config_contract_compares_each_fact_with_the_spec() -> None:
     assert INVARIANTS["config-contract"].check(broken) == ["async_chunk of (True, False): got True, spec §1 says False"]
 
 
+def test_bad_input_refused_compares_each_case_with_what_it_must_give() -> None:
+    held = world_of(
+        ("input.case", {"what": "a put under the key 'a/b'", "got": "InvalidKeyError", "want": "InvalidKeyError"})
+    )
+    assert INVARIANTS["bad-input-refused"].check(held) == []
+    broken = world_of(("input.case", {"what": "a put under the key 'a/b'", "got": "ok", "want": "InvalidKeyError"}))
+    assert INVARIANTS["bad-input-refused"].check(broken) == [
+        "a put under the key 'a/b': got ok, must give InvalidKeyError"
+    ]
+
+
 def test_aligner_complete_needs_the_whole_waveform_and_refuses_http_streaming() -> None:
     held = world_of(
         ("serving.timestamps_over_http", {"accepted": False}),

@@ -1,0 +1,184 @@
+"""Bad input at the protocol's two doors, next to the valid input closest to it.
+
+A chunk key becomes a file name under /dev/shm and a request id the stem of every key of its
+request, so both are held to a safe alphabet and a length; a payload must be something the wire
+format can carry. Bad input gets a clear error and loses nothing: it is refused before anything
+is made (``no-orphan-shm`` and ``no-orphan-lock`` see that at the end), and the valid input on
+the boundary — the longest key, every allowed character, every dtype, empty and zero-dimensional
+tensors, strided views, tuple dict keys, the extreme integers — goes through unchanged.
+
+Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
+which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
+boundary, and the schedule still interleaves them with the stages' own loops.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnisim.registry import DEFAULT_INVARIANTS, Patch, mutant
+from omnisim.world import World
+from runtime.connectors import keys
+from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
+from runtime.kernel import current_kernel
+from runtime.serving import MAX_INPUT_CHARS
+from scenarios.edge import CODE2WAV, TALKER, edge_scenario
+from scenarios.pipeline import ASYNC_CHUNK, SHORT, Client, engine_of, pipeline_scenario
+
+#: Every character a key may hold.
+ALPHABET = "ABCXYZabcxyz0189_.:-"
+REFUSED = "refused"
+ROUND_TRIP = "round trip"
+
+#: Keys a store must refuse: empty, too long, a path, a space, a non-ASCII letter, not a str.
+BAD_KEYS: tuple[object, ...] = ("", ".", "..", "a/b", "../x", "a b", "é", "k" * (MAX_KEY_LENGTH + 1), 7, None)
+#: The longest key, made of every allowed character.
+LONGEST_KEY = (ALPHABET * MAX_KEY_LENGTH)[:MAX_KEY_LENGTH]
+
+#: Payloads the wire format cannot carry.
+BAD_PAYLOADS: dict[str, object] = {
+    "an arbitrary object": {"x": object()},
+    "a set": {"x": {1, 2}},
+    "an object ndarray": {"x": np.array([object()])},
+    "a structured ndarray": {"x": np.zeros(2, dtype=[("a", "<i4")])},
+    "an integer past 64 bits": {"x": 2**64},
+}
+
+
+#: Every dtype a tensor on the wire may have.
+TENSOR_DTYPES = (
+    *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
+    *(torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128),
+)
+
+
+def good_payloads() -> dict[str, object]:
+    """Payloads on the edge of what the wire carries, each of which must come back unchanged."""
+    grid = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "every tensor dtype": {str(dtype): torch.arange(6).reshape(2, 3).to(dtype) for dtype in TENSOR_DTYPES},
+        "empty and zero-dimensional tensors": {"empty": torch.zeros(0, 3), "scalar": torch.tensor(5)},
+        "strided views": {"transposed": grid.t(), "every other column": grid[:, ::2]},
+        "ndarrays": {"f8": np.arange(6.0).reshape(2, 3), "u2": np.arange(4, dtype="<u2"), "empty": np.zeros(0)},
+        "plain values": {
+            (1, "tuple key"): [None, True, 1.5, "é✓", b"\x00\xff"],
+            "extremes": [2**63 - 1, -(2**63), 2**64 - 1],
+        },
+    }
+
+
+def same(a: object, b: object) -> bool:
+    """Equal in value, type, dtype and shape (a tensor's strides need not survive)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def shown(value: object) -> str:
+    """A bad value, short enough for a trace line."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:20]}… ({len(text)} characters)"
+
+
+def note_case(what: str, got: str, want: str) -> None:
+    current_kernel().note("input.case", what=what, got=got, want=want)
+
+
+async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
+    """What ``call`` gave: the name of the error it raised, or ``ok`` and its result."""
+    try:
+        return "ok", await call()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, None
+
+
+# Every failure here is one the scenario provoked, so failures-have-causes has nothing to say.
+HOSTILE_INVARIANTS = (*(i for i in DEFAULT_INVARIANTS if i != "failures-have-causes"), "bad-input-refused")
+
+
+@edge_scenario(
+    "hostile_keys_and_payloads",
+    summary="a peer puts and gets under invalid keys and puts payloads the wire cannot carry: each is refused with a "
+    "clear error and leaves nothing behind; the longest valid key and every kind of valid payload round-trip exactly",
+    issue="spec §2.1 (keys), §2.3 (the wire), data-plane hardening",
+    invariants=HOSTILE_INVARIANTS,
+)
+async def hostile_keys_and_payloads(world: World) -> None:
+    sender, receiver = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
+    edge = (str(TALKER), str(CODE2WAV))
+
+    for key in BAD_KEYS:
+        got, _ = await outcome(lambda key=key: sender.put(*edge, key, {"x": 1}))  # type: ignore[misc]
+        note_case(f"a put under the key {shown(key)}", got, "InvalidKeyError")
+        got, _ = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
+        note_case(f"a get under the key {shown(key)}", got, "InvalidKeyError")
+
+    for name, payload in BAD_PAYLOADS.items():
+        key = f"bad_{len(name)}_0"
+        result = await sender.put(*edge, key, payload)
+        note_case(f"a put of {name}", "put failed" if not result.ok else "put accepted", "put failed")
+        got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
+        note_case(f"a get after the refused put of {name}", f"{got} {taken is not None}", "ok False")
+
+    for i, (name, payload) in enumerate({"the longest key": {"x": 1}, **good_payloads()}.items()):
+        key = LONGEST_KEY if i == 0 else f"good_{i}_0"
+        await sender.put(*edge, key, payload)
+        got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
+        came_back = got == "ok" and taken is not None and same(payload, taken[0])
+        note_case(f"{name}, put and got back", ROUND_TRIP if came_back else f"{got}: {taken!r}"[:200], ROUND_TRIP)
+
+
+#: Request ids an engine must refuse at submission.
+BAD_REQUEST_IDS: tuple[object, ...] = ("", "..", "a/b", "a b", "r" * (MAX_REQUEST_ID_LENGTH + 1), 3)
+#: Input text an engine must refuse: none, blank, not a str, one character too long.
+BAD_TEXTS: tuple[object, ...] = ("", " \n\t", 5, "a" * (MAX_INPUT_CHARS + 1))
+#: The longest request id, made of every allowed character.
+LONGEST_REQUEST_ID = (ALPHABET * MAX_REQUEST_ID_LENGTH)[:MAX_REQUEST_ID_LENGTH]
+
+
+@pipeline_scenario(
+    "hostile_request_ids",
+    params=(ASYNC_CHUNK,),
+    summary="clients submit request ids that cannot name a chunk key (empty, a path, too long, not a str) and empty "
+    "text: each is refused at submission with a clear error and reaches no stage; the longest valid id finishes",
+    issue="spec §2.1, #7544 (input validation at the door)",
+    invariants=HOSTILE_INVARIANTS,
+)
+async def hostile_request_ids(world: World) -> None:
+    engine = engine_of(world)
+    for request_id in BAD_REQUEST_IDS:
+        got, _ = await outcome(lambda rid=request_id: engine.submit(rid, SHORT))  # type: ignore[misc]
+        note_case(f"a request with the id {shown(request_id)}", got, "InvalidKeyError")
+    for text in BAD_TEXTS:
+        got, _ = await outcome(lambda text=text: engine.submit("bad-text", text))  # type: ignore[misc]
+        note_case(
+            f"a request with the text {shown(text)}",
+            got,
+            "RequestRejected",
+        )
+    longest = Client(world, "longest", SHORT, LONGEST_REQUEST_ID, modalities=("text",))
+    await longest.run()
+    note_case("the longest request id", longest.stream.outcome, "finished")
+
+
+@mutant(
+    "key_alphabet_admits_paths",
+    summary="the chunk-key alphabet also admits '/' and ' ': a key (or a request id, the stem of its keys) can name "
+    "a path outside the run's namespace, or a name the store cannot make",
+    issue="data-plane hardening (invalid keys or names get a clear error)",
+    scenarios=("hostile_keys_and_payloads", "hostile_request_ids"),
+    expect=("bad-input-refused",),
+)
+def key_alphabet_admits_paths() -> Iterator[Patch]:
+    yield Patch(keys, "KEY_PATTERN", re.compile(r"[A-Za-z0-9_.:/ -]+"))
