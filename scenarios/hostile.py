@@ -14,6 +14,7 @@ boundary, and the schedule still interleaves them with the stages' own loops.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -47,6 +48,8 @@ BAD_PAYLOADS: dict[str, object] = {
     "an object ndarray": {"x": np.array([object()])},
     "a structured ndarray": {"x": np.zeros(2, dtype=[("a", "<i4")])},
     "an integer past 64 bits": {"x": 2**64},
+    "a tensor of a dtype the wire does not carry": {"x": torch.zeros(2, dtype=torch.uint16)},
+    "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
 }
 
 
