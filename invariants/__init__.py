@@ -43,12 +43,14 @@ def invariant(id: str, statement: str) -> Callable[[Checker], Checker]:
 def check(world: ObservedWorld, ids: Iterable[str]) -> list[Violation]:
     """Run the named checkers, plus what the scenario's own probes found (``probe.failed``
     events); in a stable order."""
+    # One pass over the trace for every invariant's probes, not one per invariant.
+    probed: dict[str, list[str]] = {}
+    for e in world.trace:
+        if e.name == "probe.failed":
+            probed.setdefault(str(e.attrs["invariant"]), []).append(str(e.attrs["message"]))
     out: list[Violation] = []
     for id in ids:
-        probed = [
-            str(e.attrs["message"]) for e in world.trace if e.name == "probe.failed" and e.attrs["invariant"] == id
-        ]
-        messages = INVARIANTS[id].check(world) + probed
+        messages = INVARIANTS[id].check(world) + probed.get(id, [])
         out.extend(Violation(id, message) for message in messages)
     return out
 

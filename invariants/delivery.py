@@ -148,8 +148,7 @@ def no_lost_wakeup(world: ObservedWorld) -> list[str]:
     waiting: dict[str, str] = {}  # task -> the stage whose wakeup it waits for
     missed: dict[str, str] = {}  # task -> the key of a put that should have woken it
     for ev in world.trace:
-        on = str(ev.attrs.get("on", ""))
-        if ev.name == "kernel.wait" and on.startswith("signal:wakeup."):
+        if ev.name == "kernel.wait" and (on := str(ev.attrs.get("on", ""))).startswith("signal:wakeup."):
             waiting[ev.task] = on.removeprefix("signal:wakeup.")
             missed.pop(ev.task, None)
         elif ev.name == "shm.put.wake":
@@ -160,6 +159,7 @@ def no_lost_wakeup(world: ObservedWorld) -> list[str]:
             del waiting[ev.task]
             key = missed.pop(ev.task, None)
             if key is not None and ev.name == "kernel.timeout":
+                on = str(ev.attrs.get("on", ""))
                 out.append(
                     f"{ev.task} sat out its wait for stage {on.removeprefix('signal:wakeup.')}'s wakeup "
                     f"though {key} was put for that stage while it waited"

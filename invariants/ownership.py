@@ -5,6 +5,25 @@ from __future__ import annotations
 from invariants import invariant
 from invariants.observed import ObservedWorld
 
+# What each checker reads: the other events (most of a trace) are passed over with one lookup.
+_OWNERSHIP_EVENTS = frozenset(
+    {
+        "kernel.killed",
+        "adapter.put",
+        "shm.put.created",
+        "shm.get.consumed",
+        "adapter.cleanup_shm.begin",
+        "adapter.release.begin",
+        "adapter.cleanup_shm.end",
+        "adapter.release.end",
+        "shm.cleanup.unlinked",
+    }
+)
+_REGISTRATION_EVENTS = frozenset({"adapter.register", "adapter.unregister", "adapter.commit"})
+_CONSUME_EVENTS = frozenset(
+    {"adapter.register", "adapter.unregister", "shm.put.created", "adapter.poll", "kernel.killed", "shm.get.consumed"}
+)
+
 
 @invariant(
     "exact-key-ownership",
@@ -16,6 +35,8 @@ def exact_key_ownership(world: ObservedWorld) -> list[str]:
     creator: dict[str, tuple[str, int]] = {}  # key -> (ext, generation) that created its segment
     reclaiming: dict[str, tuple[str, object]] = {}  # task -> ("gen", n) or ("ext", ext) it reclaims for
     for ev in world.trace:
+        if ev.name not in _OWNERSHIP_EVENTS:
+            continue
         a = ev.attrs
         if ev.name == "kernel.killed":
             last_put.pop(ev.task, None)  # a later task of that name is another process's
@@ -57,12 +78,14 @@ def no_stale_commit(world: ObservedWorld) -> list[str]:
     out = []
     registered: dict[tuple[str, str], int | None] = {}  # (stage, request) -> live entry
     for ev in world.trace:
+        if ev.name not in _REGISTRATION_EVENTS:
+            continue
         stage = f"stage {ev.attrs.get('stage')}"
         if ev.name == "adapter.register":
             registered[(stage, str(ev.attrs["req"]))] = ev.attrs["entry"]  # type: ignore[assignment]
         elif ev.name == "adapter.unregister":
             registered[(stage, str(ev.attrs["req"]))] = None
-        elif ev.name == "adapter.commit":
+        else:
             req = str(ev.attrs["req"])
             live = registered.get((stage, req))
             if live != ev.attrs["entry"]:
@@ -86,6 +109,8 @@ def no_stale_consume(world: ObservedWorld) -> list[str]:
     written: dict[str, int] = {}  # key -> event index its current segment was created at
     polling: dict[str, tuple[object, str, object, str]] = {}  # task -> the poll it is running
     for ev in world.trace:
+        if ev.name not in _CONSUME_EVENTS:
+            continue
         a = ev.attrs
         if ev.name == "adapter.register":
             live[(a["stage"], str(a["req"]))] = a["entry"]

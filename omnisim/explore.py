@@ -38,7 +38,8 @@ ARTIFACT_VERSION = 1
 
 
 def trace_digest(lines: list[str]) -> str:
-    return hashlib.sha256("".join(line + "\n" for line in lines).encode()).hexdigest()
+    """The SHA-256 of the trace as a file holds it: every line ends with a newline."""
+    return hashlib.sha256(("\n".join(lines) + "\n" if lines else "").encode()).hexdigest()
 
 
 @dataclass

@@ -25,20 +25,21 @@ from __future__ import annotations
 import contextvars
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 from invariants.observed import TaskState, TraceEvent
 from omnisim.base import stop_requested
-from runtime.kernel import Attr, KProcess, KStream, KTaskGroup, use_kernel
+from omnisim.strategies.base import Strategy
+from runtime.kernel import Attr, KProcess, KStream, use_kernel
 
 if TYPE_CHECKING:
     from omnisim.faults import Fault, FaultPlan
-    from omnisim.strategies.base import Strategy
 
 #: Carries out a fault that is an action on the world rather than an exception (a crash, bytes
 #: flipped); called on the task that reached the point.
@@ -113,12 +114,51 @@ class SimTask:
 
 
 class _SimGroup:
-    def __init__(self, kernel: SimKernel, nursery: trio.Nursery, owner: SimTask) -> None:
+    """A task group: a trio nursery whose tasks the kernel schedules, and its own async context
+    manager (written out, not ``@asynccontextmanager``: the runtime opens several per run, and a
+    generator-based manager costs about as much again as the nursery it wraps)."""
+
+    def __init__(self, kernel: SimKernel) -> None:
         self.kernel = kernel
-        self.nursery = nursery
-        self.owner = owner
         self.live = 0
         self.waiter: SimTask | None = None
+
+    async def __aenter__(self) -> _SimGroup:
+        self.owner = self.kernel._me()
+        self._manager = trio.open_nursery()
+        self.nursery = await self._manager.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, etype: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is not None:
+            # Trio will cancel the children; they must not be rescheduled by the sim while it
+            # does, so the world stops here.
+            self.kernel._stop(
+                "crash", f"{self.owner.name} raised {type(exc).__name__}: {exc} with {self.live} child task(s) live"
+            )
+            return await self._manager.__aexit__(etype, exc, tb)
+        try:
+            await self._join()
+        except BaseException as e:
+            if not await self._manager.__aexit__(type(e), e, e.__traceback__):
+                raise
+            return False
+        return await self._manager.__aexit__(None, None, None)
+
+    async def _join(self) -> None:
+        """Wait until every task of the group finished or was killed, then let the killed go."""
+        k, me = self.kernel, self.owner
+        if self.live:
+            me.state = BLOCKED
+            me.waiting_for = f"{self.live} child task(s) to finish"
+            self.waiter = me
+            await k._yield(me)
+        # Killed children are parked for good; trio's nursery still waits for them.
+        for task in k.killed:
+            if task.group is self:
+                k._unwind(task)
 
     def start_soon(self, fn: Callable[[], Awaitable[object]], *, name: str) -> None:
         if self.kernel.process_for(self) in self.kernel.dead_processes:
@@ -230,6 +270,9 @@ class SimKernel:
         fault_action: FaultAction | None = None,
     ) -> None:
         self.strategy = strategy
+        #: The strategy's event hook; None where it keeps the no-op of the base class, so the
+        #: one event made at every point costs no call.
+        self._on_event = strategy.on_event if type(strategy).on_event is not Strategy.on_event else None
         self.faults = faults
         self.fault_action = fault_action
         self.horizon_us = _us(horizon_s)
@@ -483,7 +526,8 @@ class SimKernel:
     def _emit(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
         event = TraceEvent(len(self.trace), self.clock_us, task.name, name, attrs)
         self.trace.append(event)
-        self.strategy.on_event(event)
+        if self._on_event is not None:
+            self._on_event(event)
 
     # == the Kernel interface ====================================================================
 
@@ -526,27 +570,8 @@ class SimKernel:
     def signal(self, name: str) -> _SimSignal:
         return _SimSignal(self, name)
 
-    @asynccontextmanager
-    async def task_group(self) -> AsyncIterator[KTaskGroup]:
-        me = self._me()
-        async with trio.open_nursery() as nursery:
-            group = _SimGroup(self, nursery, me)
-            try:
-                yield group
-            except BaseException as e:
-                # Trio will cancel the children; they must not be rescheduled by the sim while
-                # it does, so the world stops here.
-                self._stop("crash", f"{me.name} raised {type(e).__name__}: {e} with {group.live} child task(s) live")
-                raise
-            if group.live:
-                me.state = BLOCKED
-                me.waiting_for = f"{group.live} child task(s) to finish"
-                group.waiter = me
-                await self._yield(me)
-            # Killed children are parked for good; trio's nursery still waits for them.
-            for task in self.killed:
-                if task.group is group:
-                    self._unwind(task)
+    def task_group(self) -> _SimGroup:
+        return _SimGroup(self)
 
     async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
         return fn()
