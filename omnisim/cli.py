@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--check",
         action="store_true",
-        help="run the schedule twice: exit 3 and name the first diverging event if the two traces differ",
+        help="run the schedule again, here and in a fresh process with another string-hash seed: exit 3 and "
+        "name the first diverging event if a trace differs",
     )
     _add_json(sp)
     _add_plugin(sp)
@@ -912,7 +913,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         human.append(
             f"  NONDETERMINISTIC: two runs of the same schedule part at {rr.nondeterminism}"
             if rr.nondeterminism
-            else f"  deterministic: a second run gave the same {len(rr.run.trace_lines)} events"
+            else f"  deterministic: a second run here and one in a fresh process with another hash seed gave the same "
+            f"{len(rr.run.trace_lines)} events"
         )
     _emit(args, human, summary)
     if not rr.reproduced or rr.nondeterminism:

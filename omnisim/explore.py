@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -647,10 +648,39 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
     difference = None
     if res.trace_digest != artifact["trace_digest"]:
         difference = _first_difference(path, res.trace_lines)
-    nondeterminism = (
-        first_divergence(res.trace_lines, once()[0].trace_lines, ("the first run", "the second")) if check else None
-    )
+    nondeterminism = None
+    if check:
+        nondeterminism = first_divergence(res.trace_lines, once()[0].trace_lines, ("the first run", "the second"))
+        nondeterminism = nondeterminism or first_divergence(
+            res.trace_lines, _replayed_elsewhere(path, plugins), ("this process", "a fresh one with another hash seed")
+        )
     return ReplayResult(res, artifact["trace_digest"], strategy.diverged_at, difference, nondeterminism)
+
+
+#: Prints the trace of one replay (``argv``: the artifact, then its plugins) as a JSON list.
+_REPLAY_TRACE = """
+import json, sys
+from omnisim.explore import replay
+print(json.dumps(replay(sys.argv[1], plugins=sys.argv[2:]).run.trace_lines))
+"""
+
+
+def _replayed_elsewhere(path: str, plugins: list[str] | None) -> list[str]:
+    """The trace of the same replay in a fresh interpreter whose string hashes differ from this
+    one's: what a second run in this process cannot show (an order that follows ``hash()``, as a
+    set of request ids iterated would) shows there."""
+    hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLAY_TRACE, path, *(plugins or [])],
+        env=dict(os.environ, PYTHONHASHSEED=hash_seed),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the replay in a fresh process failed: {done.stderr.strip()[-2000:]}")
+    trace: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return trace
 
 
 def _first_difference(artifact_path: str, lines: list[str]) -> str:

@@ -129,3 +129,31 @@ def test_a_schedule_that_runs_differently_twice_is_named(tmp_path: Path, monkeyp
     assert rr.nondeterminism is not None and "the second" in rr.nondeterminism
     # A deterministic scenario passes the same check.
     assert explore("abort_during_put", budget=10, determinism_every=1).violations == []
+
+
+HASH_ORDERED_PLUGIN = """
+from omnisim.registry import scenario
+from omnisim.world import World
+from runtime.kernel import current_kernel
+
+
+@scenario("detest_hash_order", summary="notes requests in a set's order", issue="test", build=World)
+async def hash_order(world: World) -> None:
+    for request_id in {"alpha", "beta", "gamma", "delta", "epsilon"}:
+        current_kernel().note("orch.accepted", req=request_id)
+    world.probe("terminal-delivered", False, "always, so that explore saves an artifact")
+"""
+
+
+def test_replay_check_runs_the_schedule_again_under_another_hash_seed(tmp_path: Path) -> None:
+    """A second run in the same process has the same string hashes, so an order that follows
+    them looks deterministic there; ``replay --check`` also replays in a fresh interpreter."""
+    from omnisim import registry
+    from omnisim.explore import explore, replay
+
+    plugin = tmp_path / "hash_order.py"
+    plugin.write_text(HASH_ORDERED_PLUGIN)
+    registry.load([str(plugin)])
+    res = explore("detest_hash_order", budget=1, plugins=[str(plugin)], out_dir=str(tmp_path))
+    rr = replay(str(res.artifact), check=True)
+    assert rr.nondeterminism is not None and "a fresh one with another hash seed" in rr.nondeterminism
