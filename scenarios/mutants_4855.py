@@ -9,8 +9,10 @@ from omnisim.registry import Patch, mutant
 from runtime.kernel import current_kernel
 from runtime.request import Request
 from runtime.sched.base import StageScheduler as Scheduler
-from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
-from runtime.transfer.adapter import SaveTask, SenderGeneration
+from runtime.transfer import rules
+from runtime.transfer.generations import SenderGeneration
+from runtime.transfer.sender import ChunkSender as Sender
+from runtime.transfer.sender import SaveTask
 
 DEADLINE = ("input_wait_deadline",)
 #: The scenarios whose sender gives up: a put that reports failure, and one that raises.
@@ -62,14 +64,14 @@ def deadline_zero_is_immediate() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def send_failure_under_external_id() -> Iterator[Patch]:
-    def put_failed(self: Adapter, task: SaveTask, key: str) -> None:
-        self.record_send_failure(task.request.external_req_id, f"connector.put of {key} reported failure")
+    def put_failed(self: Sender, task: SaveTask, key: str, cause: str) -> None:
+        self.record_send_failure(task.request.external_req_id, f"could not send chunk {key}: {cause}")
 
-    def send_raised(self: Adapter, task: SaveTask, error: Exception) -> None:
+    def send_raised(self: Sender, task: SaveTask, error: Exception) -> None:
         self.record_send_failure(task.request.external_req_id, f"{type(error).__name__}: {error}")
 
-    yield Patch(Adapter, "_put_failed", put_failed)
-    yield Patch(Adapter, "_send_raised", send_raised)
+    yield Patch(Sender, "_put_failed", put_failed)
+    yield Patch(Sender, "_send_raised", send_raised)
 
 
 @mutant(
@@ -80,7 +82,7 @@ def send_failure_under_external_id() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def put_failure_not_recorded() -> Iterator[Patch]:
-    yield Patch(Adapter, "_put_failed", lambda self, task, key, cause: None)
+    yield Patch(Sender, "_put_failed", lambda self, task, key, cause: None)
 
 
 @mutant(
@@ -95,7 +97,7 @@ def send_after_failed_put() -> Iterator[Patch]:
     def may_send(token: SenderGeneration, is_terminal: bool) -> bool:
         return is_terminal or not token.cancelled
 
-    yield Patch(Adapter, "_may_send", staticmethod(may_send))
+    yield Patch(rules, "may_send", may_send)
 
 
 @mutant(
@@ -106,7 +108,7 @@ def send_after_failed_put() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def send_exception_not_recorded() -> Iterator[Patch]:
-    yield Patch(Adapter, "_send_raised", lambda self, task, error: None)
+    yield Patch(Sender, "_send_raised", lambda self, task, error: None)
 
 
 @mutant(

@@ -6,8 +6,10 @@ from collections.abc import Iterator
 
 from omnisim.registry import Patch, mutant
 from runtime.request import Request
+from runtime.transfer import rules
 from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
-from runtime.transfer.adapter import SenderGeneration
+from runtime.transfer.generations import SenderGeneration
+from runtime.transfer.sender import ChunkSender as Sender
 
 
 @mutant(
@@ -18,7 +20,7 @@ from runtime.transfer.adapter import SenderGeneration
     expect=("liveness",),
 )
 def no_terminal_fence() -> Iterator[Patch]:
-    yield Patch(Adapter, "_fence_defers_cleanup", staticmethod(lambda token: False))
+    yield Patch(rules, "fence_defers_cleanup", lambda token: False)
 
 
 @mutant(
@@ -30,13 +32,13 @@ def no_terminal_fence() -> Iterator[Patch]:
     expect=("no-tombstones",),
 )
 def deferred_cleanup_only_on_success() -> Iterator[Patch]:
-    original = vars(Adapter)["_release_terminal_fence"]
+    original = vars(Sender)["_release_terminal_fence"]
 
-    async def _release_terminal_fence(self: Adapter, ext: str, token: SenderGeneration) -> None:
+    async def _release_terminal_fence(self: Sender, ext: str, token: SenderGeneration) -> None:
         if token.terminal_sent:
             await original(self, ext, token)
 
-    yield Patch(Adapter, "_release_terminal_fence", _release_terminal_fence)
+    yield Patch(Sender, "_release_terminal_fence", _release_terminal_fence)
 
 
 @mutant(
@@ -47,7 +49,7 @@ def deferred_cleanup_only_on_success() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def cancel_vetoes_terminal() -> Iterator[Patch]:
-    yield Patch(Adapter, "_may_send", staticmethod(lambda token, is_terminal: not token.cancelled))
+    yield Patch(rules, "may_send", lambda token, is_terminal: not token.cancelled)
 
 
 @mutant(
@@ -58,7 +60,7 @@ def cancel_vetoes_terminal() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def ownership_by_put_req_chunk() -> Iterator[Patch]:
-    yield Patch(Adapter, "has_active_sender", lambda self, ext: ext in self.put_req_chunk)
+    yield Patch(Sender, "has_active_sender", lambda self, ext: ext in self.tables.put_req_chunk)
 
 
 @mutant(

@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omnisim.registry import Patch, mutant
 from runtime.connectors import wire
-from runtime.connectors.shm import ShmConnector
+from runtime.connectors.shm import REAP_BUDGET, ShmConnector
 from runtime.connectors.stores import LockFile, Segment
 from runtime.connectors.wire import WireDecodeError
-from runtime.kernel import current_kernel
-from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
-from runtime.transfer.adapter import CleanupTask, LoadEntry, SenderGeneration
+from runtime.kernel import KTaskGroup, current_kernel
+from runtime.transfer import rules
+from runtime.transfer.generations import SenderGeneration, SenderTables
+from runtime.transfer.receiver import ChunkReceiver as Receiver
+from runtime.transfer.receiver import LoadEntry
+from runtime.transfer.sender import ChunkSender as Sender
+from runtime.transfer.sender import CleanupTask
 
-_original = {name: vars(Adapter)[name] for name in vars(Adapter)}
+_original_sender = {name: vars(Sender)[name] for name in vars(Sender)}
+_original_receiver = {name: vars(Receiver)[name] for name in vars(Receiver)}
+
+
+def _lend_a_task_group() -> Iterator[Patch]:
+    """The sender has no task group for a mutant that starts tasks of its own: this patch opens
+    one around the save loop, which :func:`_lent_task_group` finds while the loop runs."""
+    save_loop = _original_sender["save_loop"]
+
+    async def save_loop_with_a_task_group(self: Sender) -> None:
+        async with current_kernel().task_group() as tasks:
+            self.__dict__["_lent_tasks"] = tasks
+            try:
+                await save_loop(self)
+            finally:
+                del self.__dict__["_lent_tasks"]
+
+    yield Patch(Sender, "save_loop", save_loop_with_a_task_group)
+
+
+def _lent_task_group(sender: Sender) -> KTaskGroup | None:
+    return sender.__dict__.get("_lent_tasks")
 
 
 @mutant(
@@ -26,14 +51,14 @@ _original = {name: vars(Adapter)[name] for name in vars(Adapter)}
 )
 def num_puts_after_success() -> Iterator[Patch]:
     async def _put_chunk(
-        self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any
+        self: Sender, token: SenderGeneration, key: str, chunk_id: int, payload: Any
     ) -> tuple[bool, str]:
         ok, _, metadata = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
         if ok:
             token.num_puts = chunk_id + 1
         return ok, str(metadata.get("error", "connector.put reported failure"))
 
-    yield Patch(Adapter, "_put_chunk", _put_chunk)
+    yield Patch(Sender, "_put_chunk", _put_chunk)
 
 
 @mutant(
@@ -44,16 +69,16 @@ def num_puts_after_success() -> Iterator[Patch]:
     expect=("abort-non-blocking",),
 )
 def cleanup_waits_for_io() -> Iterator[Patch]:
-    original = _original["cleanup_sender"]
+    original = _original_sender["cleanup_sender"]
 
-    async def cleanup_sender(self: Adapter, ext: str) -> None:
-        token = self._sender_tokens.get(ext)
+    async def cleanup_sender(self: Sender, ext: str) -> None:
+        token = self.tables.sender_tokens.get(ext)
         # (Not for a fenced terminal's own deferred cleanup, which runs on the save task itself.)
         while token is not None and token.in_flight and not (token.terminal_pending or token.terminal_sent):
             await current_kernel().sleep(0.001)
         await original(self, ext)
 
-    yield Patch(Adapter, "cleanup_sender", cleanup_sender)
+    yield Patch(Sender, "cleanup_sender", cleanup_sender)
 
 
 @mutant(
@@ -64,30 +89,30 @@ def cleanup_waits_for_io() -> Iterator[Patch]:
     expect=("abort-non-blocking",),
 )
 def cleanup_on_scheduler_thread() -> Iterator[Patch]:
-    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
-        if token.num_puts and not token.terminal_sent:
+    def _queue_shm_cleanup_locked(self: Sender, ext: str, token: SenderGeneration) -> None:
+        if rules.needs_reclaim(token):
             self.__dict__.setdefault("_direct_cleanups", []).append(
                 CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial)
             )
 
-    async def run_direct(self: Adapter) -> None:
+    async def run_direct(self: Sender) -> None:
         direct = self.__dict__.get("_direct_cleanups", [])
         while direct:
             await self._run_cleanup_task(direct.pop(0))
 
-    original_cleanup, original_send = _original["cleanup_sender"], _original["_send_single_request"]
+    original_cleanup, original_send = _original_sender["cleanup_sender"], _original_sender["_send_single_request"]
 
-    async def cleanup_sender(self: Adapter, ext: str) -> None:
+    async def cleanup_sender(self: Sender, ext: str) -> None:
         await original_cleanup(self, ext)
         await run_direct(self)
 
-    async def _send_single_request(self: Adapter, task: Any) -> None:
+    async def _send_single_request(self: Sender, task: Any) -> None:
         await original_send(self, task)
         await run_direct(self)
 
-    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
-    yield Patch(Adapter, "cleanup_sender", cleanup_sender)
-    yield Patch(Adapter, "_send_single_request", _send_single_request)
+    yield Patch(Sender, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+    yield Patch(Sender, "cleanup_sender", cleanup_sender)
+    yield Patch(Sender, "_send_single_request", _send_single_request)
 
 
 @mutant(
@@ -98,17 +123,19 @@ def cleanup_on_scheduler_thread() -> Iterator[Patch]:
     expect=("exact-key-ownership", "liveness"),
 )
 def cleanup_on_separate_queue() -> Iterator[Patch]:
-    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
-        if token.num_puts and not token.terminal_sent and self._tasks is not None:
+    def _queue_shm_cleanup_locked(self: Sender, ext: str, token: SenderGeneration) -> None:
+        tasks = _lent_task_group(self)
+        if rules.needs_reclaim(token) and tasks is not None:
             task = CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial)
 
             async def reclaim() -> None:
                 await current_kernel().point("mutant.window", ext=ext)
                 await self._run_cleanup_task(task)
 
-            self._tasks.start_soon(reclaim, name=f"{self.name}.reclaim")
+            tasks.start_soon(reclaim, name=f"{self.name}.reclaim")
 
-    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+    yield from _lend_a_task_group()
+    yield Patch(Sender, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
 
 
 @mutant(
@@ -119,10 +146,11 @@ def cleanup_on_separate_queue() -> Iterator[Patch]:
     expect=("exact-key-ownership", "liveness"),
 )
 def pop_token_before_enqueue() -> Iterator[Patch]:
-    def _retire_generation_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
-        self._sender_tokens.pop(ext, None)
-        self._clear_sender_state_locked(ext)
-        if self._tasks is None or not token.num_puts or token.terminal_sent:
+    def _retire_generation_locked(self: Sender, ext: str, token: SenderGeneration) -> None:
+        self.tables.sender_tokens.pop(ext, None)
+        self.tables.clear(ext)
+        tasks = _lent_task_group(self)
+        if tasks is None or not rules.needs_reclaim(token):
             return
 
         async def enqueue_later() -> None:
@@ -130,9 +158,10 @@ def pop_token_before_enqueue() -> Iterator[Patch]:
             self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
-        self._tasks.start_soon(enqueue_later, name=f"{self.name}.enqueue")
+        tasks.start_soon(enqueue_later, name=f"{self.name}.enqueue")
 
-    yield Patch(Adapter, "_retire_generation_locked", _retire_generation_locked)
+    yield from _lend_a_task_group()
+    yield Patch(Sender, "_retire_generation_locked", _retire_generation_locked)
 
 
 @mutant(
@@ -143,7 +172,12 @@ def pop_token_before_enqueue() -> Iterator[Patch]:
     expect=("exact-key-ownership", "terminal-delivered"),
 )
 def accept_while_draining() -> Iterator[Patch]:
-    yield Patch(Adapter, "_rejects_while_draining", staticmethod(lambda token: False))
+    admit_save = rules.admit_save
+
+    def admit_ignoring_the_drain(token: SenderGeneration | None, **kwargs: Any) -> rules.Admission:
+        return admit_save(None, **kwargs)
+
+    yield Patch(rules, "admit_save", admit_ignoring_the_drain)
 
 
 @mutant(
@@ -154,12 +188,15 @@ def accept_while_draining() -> Iterator[Patch]:
     expect=("no-tombstones",),
 )
 def sender_state_not_cleared() -> Iterator[Patch]:
-    def _clear_sender_state_locked(self: Adapter, ext: str) -> None:
-        for name in self.SENDER_DICTS:
-            if name != "put_req_chunk":
-                getattr(self, name).pop(ext, None)
+    clear = vars(SenderTables)["clear"]
 
-    yield Patch(Adapter, "_clear_sender_state_locked", _clear_sender_state_locked)
+    def clear_but_put_req_chunk(self: SenderTables, ext: str) -> None:
+        kept = self.put_req_chunk.get(ext)
+        clear(self, ext)
+        if kept is not None:
+            self.put_req_chunk[ext] = kept
+
+    yield Patch(SenderTables, "clear", clear_but_put_req_chunk)
 
 
 @mutant(
@@ -170,7 +207,7 @@ def sender_state_not_cleared() -> Iterator[Patch]:
     expect=("exact-key-ownership",),
 )
 def prefix_cleanup() -> Iterator[Patch]:
-    async def _run_cleanup_task(self: Adapter, task: CleanupTask) -> None:
+    async def _run_cleanup_task(self: Sender, task: CleanupTask) -> None:
         k = current_kernel()
         await k.point("adapter.cleanup_shm.begin", prefix=task.prefix, n=task.num_puts, gen=task.generation)
         ext = task.prefix.rsplit("_", 1)[0]
@@ -179,7 +216,7 @@ def prefix_cleanup() -> Iterator[Patch]:
                 await self.connector.cleanup(key)
         k.note("adapter.cleanup_shm.end", prefix=task.prefix, gen=task.generation)
 
-    yield Patch(Adapter, "_run_cleanup_task", _run_cleanup_task)
+    yield Patch(Sender, "_run_cleanup_task", _run_cleanup_task)
 
 
 @mutant(
@@ -190,12 +227,7 @@ def prefix_cleanup() -> Iterator[Patch]:
     expect=("liveness",),
 )
 def delete_sent_terminal() -> Iterator[Patch]:
-    def _queue_shm_cleanup_locked(self: Adapter, ext: str, token: SenderGeneration) -> None:
-        if token.num_puts:
-            self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
-            self._save_cond.notify()
-
-    yield Patch(Adapter, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
+    yield Patch(rules, "needs_reclaim", lambda token: token.num_puts > 0)
 
 
 @mutant(
@@ -206,14 +238,16 @@ def delete_sent_terminal() -> Iterator[Patch]:
     expect=("no-orphan-shm", "no-orphan-lock"),
 )
 def skip_cleanup_for_terminal() -> Iterator[Patch]:
-    original = _original["_put_chunk"]
+    original = _original_sender["_put_chunk"]
 
-    async def _put_chunk(self: Adapter, token: SenderGeneration, key: str, chunk_id: int, payload: Any) -> bool:
+    async def _put_chunk(
+        self: Sender, token: SenderGeneration, key: str, chunk_id: int, payload: Any
+    ) -> tuple[bool, str]:
         if bool(payload["meta"]["finished"]):
             token.terminal_sent = True
         return await original(self, token, key, chunk_id, payload)
 
-    yield Patch(Adapter, "_put_chunk", _put_chunk)
+    yield Patch(Sender, "_put_chunk", _put_chunk)
 
 
 @mutant(
@@ -224,10 +258,7 @@ def skip_cleanup_for_terminal() -> Iterator[Patch]:
     expect=("no-stale-commit",),
 )
 def no_post_get_identity_check() -> Iterator[Patch]:
-    def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
-        return phase == "after_get" or self._registered_load_entries.get(entry.request_id) is entry
-
-    yield Patch(Adapter, "_entry_is_current_locked", _entry_is_current_locked)
+    yield Patch(rules, "may_commit", lambda registered, entry: True)
 
 
 @mutant(
@@ -238,14 +269,14 @@ def no_post_get_identity_check() -> Iterator[Patch]:
     expect=("no-tombstones",),
 )
 def mapping_outside_lock() -> Iterator[Patch]:
-    original = _original["_poll_single_request"]
+    original = _original_receiver["_poll_single_request"]
 
-    async def _poll_single_request(self: Adapter, entry: LoadEntry) -> bool:
+    async def _poll_single_request(self: Receiver, entry: LoadEntry) -> bool:
         drop = await original(self, entry)
         self.request_ids_mapping[entry.request_id] = entry.external_req_id
         return drop
 
-    yield Patch(Adapter, "_poll_single_request", _poll_single_request)
+    yield Patch(Receiver, "_poll_single_request", _poll_single_request)
 
 
 @mutant(
@@ -256,10 +287,10 @@ def mapping_outside_lock() -> Iterator[Patch]:
     expect=("no-stale-commit",),
 )
 def membership_not_identity() -> Iterator[Patch]:
-    def _entry_is_current_locked(self: Adapter, entry: LoadEntry, phase: str) -> bool:
-        return entry.request_id in self._registered_load_entries
+    def by_membership(registered: Mapping[str, LoadEntry], entry: LoadEntry) -> bool:
+        return entry.request_id in registered
 
-    yield Patch(Adapter, "_entry_is_current_locked", _entry_is_current_locked)
+    yield Patch(rules, "entry_is_current", by_membership)
 
 
 @mutant(
@@ -270,13 +301,13 @@ def membership_not_identity() -> Iterator[Patch]:
     expect=("no-tombstones",),
 )
 def cancelled_tombstones() -> Iterator[Patch]:
-    original = _original["cleanup_receiver"]
+    original = _original_receiver["cleanup_receiver"]
 
-    async def cleanup_receiver(self: Adapter, request_id: str) -> None:
+    async def cleanup_receiver(self: Receiver, request_id: str) -> None:
         self.__dict__.setdefault("_cancelled_load_reqs", set()).add(request_id)
         await original(self, request_id)
 
-    yield Patch(Adapter, "cleanup_receiver", cleanup_receiver)
+    yield Patch(Receiver, "cleanup_receiver", cleanup_receiver)
 
 
 @mutant(
@@ -287,7 +318,13 @@ def cancelled_tombstones() -> Iterator[Patch]:
     expect=("no-tombstones",),
 )
 def no_idle_reap() -> Iterator[Patch]:
-    yield Patch(Adapter, "_reap_after_pass", lambda self: None)
+    reap_consumed = vars(ShmConnector)["reap_consumed"]
+
+    def reap_only_inside_put(self: ShmConnector, *, max_keys: int = REAP_BUDGET) -> None:
+        if max_keys != REAP_BUDGET:  # put's own small sweep; the save loop's idle reap asks the default
+            reap_consumed(self, max_keys=max_keys)
+
+    yield Patch(ShmConnector, "reap_consumed", reap_only_inside_put)
 
 
 @mutant(

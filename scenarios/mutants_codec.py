@@ -11,7 +11,7 @@ from runtime import serving
 from runtime.models import code2wav
 from runtime.processors import talker2code2wav
 from runtime.serving import EmittedSamplesTrim, OutputKind, SamplingParams
-from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
+from runtime.transfer import rules
 
 
 @mutant(
@@ -22,7 +22,10 @@ from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
     expect=("samples-exactly-once",),
 )
 def flush_on_segment_only() -> Iterator[Patch]:
-    yield Patch(Adapter, "_flush_signal", staticmethod(lambda task: task.is_segment_finished))
+    def flush_on_segment_end(*, is_segment_finished: bool, is_finished: bool) -> bool:
+        return is_segment_finished
+
+    yield Patch(rules, "processor_flushes", flush_on_segment_end)
 
 
 @mutant(

@@ -18,7 +18,7 @@ from runtime.connectors.shm import LOCK_RETRY_MAX_S, ShmConnector
 from runtime.connectors.stores import LockFile
 from runtime.connectors.wakeup import LocalWakeups
 from runtime.kernel import current_kernel
-from runtime.transfer.adapter import ChunkTransferAdapter as Adapter
+from runtime.transfer.receiver import ChunkReceiver as Receiver
 
 
 @mutant(
@@ -123,7 +123,7 @@ def storage_error_not_rolled_back() -> Iterator[Patch]:
     expect=("liveness", "bounded-wait"),
 )
 def producer_death_ignored() -> Iterator[Patch]:
-    yield Patch(Adapter, "_fail_if_producer_died", lambda self: None)
+    yield Patch(Receiver, "_fail_if_producer_died", lambda self: None)
 
 
 @mutant(

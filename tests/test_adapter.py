@@ -24,7 +24,8 @@ from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.connectors.wakeup import LocalWakeups
 from runtime.request import Request, RequestStatus
-from runtime.transfer.adapter import DRAINING_REASON, ChunkTransferAdapter
+from runtime.transfer.adapter import ChunkTransferAdapter
+from runtime.transfer.sender import DRAINING_REASON
 from scenarios.edge import codec_frames, synthetic_codec_chunk
 
 #: Generous bound for "wait until the background loops got there" (never a timing assertion).
@@ -46,25 +47,25 @@ class Edge:
         wakeups = LocalWakeups()
         self.c1 = ShmConnector(store, stage_id=1, wakeups=wakeups)
         self.c2 = ShmConnector(store, stage_id=2, wakeups=wakeups)
-        self.sender = ChunkTransferAdapter(
+        self.stage1 = ChunkTransferAdapter(
             self.c1, processor=synthetic_codec_chunk, receives_chunks=False, name="stage1"
         )
-        self.receiver = ChunkTransferAdapter(self.c2, sends_chunks=False, name="stage2")
+        self.stage2 = ChunkTransferAdapter(self.c2, sends_chunks=False, name="stage2")
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Edge]:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.sender.run)
-            nursery.start_soon(self.receiver.run)
+            nursery.start_soon(self.stage1.run)
+            nursery.start_soon(self.stage2.run)
             try:
                 yield self
             finally:
-                self.sender.shutdown()
-                self.receiver.shutdown()
+                self.stage1.shutdown()
+                self.stage2.shutdown()
 
     def assert_clean(self) -> None:
-        assert self.sender.residue() == {}
-        assert self.receiver.residue() == {}
+        assert self.stage1.residue() == {}
+        assert self.stage2.residue() == {}
         assert self.c1.residue() == {"pending_keys": [], "held_locks": []}
         assert self.c2.residue() == {"pending_keys": [], "held_locks": []}
         assert self.store.segments() == []
@@ -136,17 +137,17 @@ async def test_chunks_cross_the_edge_in_order_with_one_terminal(store: Store) ->
     talker = Request("R-talker", "R")
     code2wav = Request("R-code2wav", "R")
     async with edge.running():
-        await send_chunks(edge.sender, talker, [4, 25, 3], finish=True)
-        chunks = await receive_all(edge.receiver, code2wav)
-        await edge.receiver.finish_requests([code2wav])
+        await send_chunks(edge.stage1, talker, [4, 25, 3], finish=True)
+        chunks = await receive_all(edge.stage2, code2wav)
+        await edge.stage2.finish_requests([code2wav])
         # The sender retires the generation after its terminal; the idle reap forgets the
         # consumed keys although nothing more is sent (#8082 g).
-        await settle(lambda: edge.sender.residue() == {}, "the sender retires R")
+        await settle(lambda: edge.stage1.residue() == {}, "the sender retires R")
         await settle(lambda: edge.c1.residue() == {"pending_keys": [], "held_locks": []}, "the idle reap")
     assert [audio.shape[1] for audio, _ in chunks] == [4, 25, 3]
     assert [finished for _, finished in chunks] == [False, False, True]
     assert torch.equal(torch.cat([audio for audio, _ in chunks], dim=1), codec_frames(32))
-    assert edge.sender.collect_failed_send_request_ids() == {}
+    assert edge.stage1.collect_failed_send_request_ids() == {}
     edge.assert_clean()
 
 
@@ -157,32 +158,32 @@ async def test_shm_abort_reclaims_inflight_put_without_blocking(store: Store, mo
     gate = Gate(monkeypatch, edge.c1, "put")
     talker = Request("R-talker", "R")
     async with edge.running():
-        await send_chunks(edge.sender, talker, [4], finish=False)
+        await send_chunks(edge.stage1, talker, [4], finish=False)
         with trio.fail_after(SETTLE_S):
             await gate.started.wait()
 
         with trio.move_on_after(1) as scope:
-            await edge.sender.cleanup_sender("R")
+            await edge.stage1.cleanup_sender("R")
         assert not scope.cancelled_caught, "the abort waited for the in-flight put"
         assert not gate.returned.is_set()
-        token = edge.sender._sender_tokens["R"]
+        token = edge.stage1.sender.tables.sender_tokens["R"]
         assert token.cancelled and token.in_flight and token.num_puts == 1
-        assert edge.sender.is_draining("R") and not edge.sender.has_active_sender("R")
+        assert edge.stage1.is_draining("R") and not edge.stage1.has_active_sender("R")
 
         gate.release.set()
         await settle(
-            lambda: edge.sender.residue() == {} and not store.segments() and not store.lock_files(),
+            lambda: edge.stage1.residue() == {} and not store.segments() and not store.lock_files(),
             "the reclaim of R_1_0",
         )
         assert edge.c1.residue() == {"pending_keys": [], "held_locks": []}
-        assert "R" not in edge.sender._sender_tokens
+        assert "R" not in edge.stage1.sender.tables.sender_tokens
 
         # The save loop is alive: a new request still goes through.
-        await send_chunks(edge.sender, Request("S-talker", "S"), [2], finish=False)
+        await send_chunks(edge.stage1, Request("S-talker", "S"), [2], finish=False)
         await settle(lambda: store.segments() == ["S_1_0"], "the put of S_1_0")
-        await edge.sender.cleanup_sender("S")
-        await settle(lambda: not store.segments() and edge.sender.residue() == {}, "the reclaim of S_1_0")
-    assert edge.sender.collect_failed_send_request_ids() == {}
+        await edge.stage1.cleanup_sender("S")
+        await settle(lambda: not store.segments() and edge.stage1.residue() == {}, "the reclaim of S_1_0")
+    assert edge.stage1.collect_failed_send_request_ids() == {}
     edge.assert_clean()
 
 
@@ -193,31 +194,31 @@ async def test_save_async_is_rejected_while_the_old_generation_drains(
     gate = Gate(monkeypatch, edge.c1, "put")
     old = Request("old-talker", "R")
     async with edge.running():
-        await send_chunks(edge.sender, old, [4], finish=False)
+        await send_chunks(edge.stage1, old, [4], finish=False)
         with trio.fail_after(SETTLE_S):
             await gate.started.wait()
-        await edge.sender.cleanup_sender("R")  # cancelled, still mapped: the put is in flight
+        await edge.stage1.cleanup_sender("R")  # cancelled, still mapped: the put is in flight
 
         new = Request("new-talker", "R")
         new.num_computed_tokens = 4
-        assert not await edge.sender.save_async({"frames": codec_frames(4)}, new)
+        assert not await edge.stage1.save_async({"frames": codec_frames(4)}, new)
         # Keyed by the request's internal id, not the external one; first reason wins, drained once.
-        assert edge.sender.collect_failed_send_request_ids() == {"new-talker": DRAINING_REASON}
-        assert edge.sender.collect_failed_send_request_ids() == {}
-        assert len(edge.sender._pending_save_reqs) == 0
+        assert edge.stage1.collect_failed_send_request_ids() == {"new-talker": DRAINING_REASON}
+        assert edge.stage1.collect_failed_send_request_ids() == {}
+        assert len(edge.stage1.sender._pending_save_reqs) == 0
 
         gate.release.set()
-        await settle(lambda: "R" not in edge.sender._sender_tokens and not store.segments(), "R retires")
+        await settle(lambda: "R" not in edge.stage1.sender.tables.sender_tokens and not store.segments(), "R retires")
         # Once retired, the id is free again: a new generation is accepted and its R_1_0 survives.
-        assert await edge.sender.save_async({"frames": codec_frames(4)}, new)
+        assert await edge.stage1.save_async({"frames": codec_frames(4)}, new)
         await settle(lambda: store.segments() == ["R_1_0"], "the new generation's put")
         code2wav = Request("new-code2wav", "R")
-        await edge.receiver.load_async(code2wav)
-        await settle(lambda: edge.receiver.pop_ready("new-code2wav"), "the new chunk is received")
+        await edge.stage2.load_async(code2wav)
+        await settle(lambda: edge.stage2.pop_ready("new-code2wav"), "the new chunk is received")
         assert code2wav.additional_information["codes"]["audio"].shape == (16, 4)
-        await edge.receiver.finish_requests([code2wav])
-        await edge.sender.cleanup_sender("R")
-        await settle(lambda: edge.sender.residue() == {} and not edge.c1.residue()["pending_keys"], "R retires")
+        await edge.stage2.finish_requests([code2wav])
+        await edge.stage1.cleanup_sender("R")
+        await settle(lambda: edge.stage1.residue() == {} and not edge.c1.residue()["pending_keys"], "R retires")
     edge.assert_clean()
 
 
@@ -230,51 +231,51 @@ async def test_stale_receiver_entry_commits_nothing(
     payload = {"codes": {"audio": codec_frames(4)}, "meta": {"finished": torch.tensor(True)}}
     gate = Gate(monkeypatch, edge.c2, "get", result=(payload, 123))
     polls: list[bool] = []
-    poll = edge.receiver._poll_single_request
+    poll = edge.stage2.receiver._poll_single_request
 
     async def recorded_poll(entry: Any) -> bool:
         drop = await poll(entry)
         polls.append(drop)
         return drop
 
-    monkeypatch.setattr(edge.receiver, "_poll_single_request", recorded_poll)
+    monkeypatch.setattr(edge.stage2.receiver, "_poll_single_request", recorded_poll)
     request = Request("R-code2wav", "R", prompt_token_ids=[7, 7], additional_information={"x": 1})
     async with edge.running():
-        await edge.receiver.load_async(request)
+        await edge.stage2.load_async(request)
         with trio.fail_after(SETTLE_S):
             await gate.started.wait()
-        await edge.receiver.cleanup_receiver("R-code2wav")
+        await edge.stage2.cleanup_receiver("R-code2wav")
         if reregister:
-            await edge.receiver.load_async(request)  # the same id registers again: a new entry
+            await edge.stage2.load_async(request)  # the same id registers again: a new entry
         gate.release.set()
         await settle(lambda: bool(polls), "the stale poll finishes")
         assert polls[0] is True  # the stale entry is dropped
-        assert edge.receiver.request_ids_mapping.get("R-code2wav") is None or reregister
-        assert "R-code2wav" not in edge.receiver.get_req_chunk
-        assert "R-code2wav" not in edge.receiver.upstream_exhausted_requests
-        assert not edge.receiver.pop_ready("R-code2wav")
-        assert not edge.receiver.is_done_receiving_chunks("R-code2wav")
+        assert edge.stage2.receiver.request_ids_mapping.get("R-code2wav") is None or reregister
+        assert "R-code2wav" not in edge.stage2.receiver.get_req_chunk
+        assert "R-code2wav" not in edge.stage2.receiver.upstream_exhausted_requests
+        assert not edge.stage2.pop_ready("R-code2wav")
+        assert not edge.stage2.is_done_receiving_chunks("R-code2wav")
         assert request.prompt_token_ids == [7, 7]
         assert request.additional_information == {"x": 1}
         if reregister:
-            assert set(edge.receiver._registered_load_entries) == {"R-code2wav"}
+            assert set(edge.stage2.receiver._registered_load_entries) == {"R-code2wav"}
         else:
-            assert edge.receiver.residue() == {}
-        await edge.receiver.cleanup_receiver("R-code2wav")
+            assert edge.stage2.residue() == {}
+        await edge.stage2.cleanup_receiver("R-code2wav")
         # A queued entry of a cleaned-up id is dropped on the loop's next pass (no tombstone).
-        await settle(lambda: edge.receiver.residue() == {}, "the stale entry is dropped")
+        await settle(lambda: edge.stage2.residue() == {}, "the stale entry is dropped")
     edge.assert_clean()
 
 
 async def test_repeated_cleanup_of_unknown_ids_leaves_no_residue(store: Store) -> None:
     edge = Edge(store)
     for i in range(50):
-        await edge.receiver.cleanup_receiver(f"gone{i}-code2wav")
-        await edge.receiver.cleanup(f"gone{i}-code2wav")
-        await edge.sender.cleanup_sender(f"gone{i}")
-        await edge.sender.finish_requests([Request(f"gone{i}-talker", f"gone{i}")])
-    assert edge.receiver.residue() == {}
-    assert edge.sender.residue() == {}
+        await edge.stage2.cleanup_receiver(f"gone{i}-code2wav")
+        await edge.stage2.cleanup(f"gone{i}-code2wav")
+        await edge.stage1.cleanup_sender(f"gone{i}")
+        await edge.stage1.finish_requests([Request(f"gone{i}-talker", f"gone{i}")])
+    assert edge.stage2.residue() == {}
+    assert edge.stage1.residue() == {}
     edge.assert_clean()
 
 
@@ -284,17 +285,17 @@ async def test_release_shm_resources_removes_an_unread_terminal_of_an_aborted_re
     edge = Edge(store)
     talker = Request("R-talker", "R")
     # Queued and aborted before the save loop runs: the cleanup is deferred to the terminal.
-    await send_chunks(edge.sender, talker, [4], finish=True)
-    await edge.sender.cleanup_sender("R")
-    token = edge.sender._sender_tokens["R"]
+    await send_chunks(edge.stage1, talker, [4], finish=True)
+    await edge.stage1.cleanup_sender("R")
+    token = edge.stage1.sender.tables.sender_tokens["R"]
     assert token.cancelled and token.cleanup_deferred and token.terminal_pending
     async with edge.running():
-        await settle(lambda: edge.sender.residue() == {}, "the terminal is sent and R retires")
+        await settle(lambda: edge.stage1.residue() == {}, "the terminal is sent and R retires")
         assert token.terminal_sent
         assert store.segments() == ["R_1_0"]  # unread: downstream was aborted too
         assert edge.c1.residue() == {"pending_keys": ["R_1_0"], "held_locks": []}
         with trio.fail_after(SETTLE_S):
-            removed = await edge.sender.release_shm_resources("R")
+            removed = await edge.stage1.release_shm_resources("R")
         assert removed == 1
         assert store.segments() == [] and store.lock_files() == []
         assert edge.c1.residue() == {"pending_keys": [], "held_locks": []}
@@ -353,10 +354,10 @@ async def test_a_release_does_not_wait_behind_other_requests_puts(monkeypatch: p
     monkeypatch.setattr(edge.c1, "cleanup_prefix", cleanup_prefix)
     async with edge.running():
         mine = Request("m-talker", "M")
-        await edge.sender.save_async({"frames": codec_frames(4)}, mine)
+        await edge.stage1.save_async({"frames": codec_frames(4)}, mine)
         for req in others:
-            await edge.sender.save_async({"frames": codec_frames(4)}, req)
-        await edge.sender.release_shm_resources("M")
+            await edge.stage1.save_async({"frames": codec_frames(4)}, req)
+        await edge.stage1.release_shm_resources("M")
         await settle(lambda: len(edge.c1.residue()["pending_keys"]) == 40, "the other puts")
     # The sweep of M ran right after M's own put: no put of another id had to go first.
     assert others_sent_before_the_sweep == [0]

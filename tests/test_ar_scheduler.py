@@ -11,7 +11,8 @@ from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore
 from runtime.request import Request, RequestStatus
 from runtime.sched.ar import ARScheduler, ARStep
-from runtime.transfer.adapter import ChunkTransferAdapter, SaveTask
+from runtime.transfer.adapter import ChunkTransferAdapter
+from runtime.transfer.sender import SaveTask
 
 
 @dataclass
@@ -52,7 +53,7 @@ async def test_a_terminal_stop_is_not_a_segment_boundary() -> None:
     first = await scheduler.step()
     last = await scheduler.step()
     assert [o.finished for o in first + last] == [False, True]
-    tasks = [t for t in scheduler.adapter._pending_save_reqs if isinstance(t, SaveTask)]
+    tasks = [t for t in scheduler.adapter.sender._pending_save_reqs if isinstance(t, SaveTask)]
     assert [(t.is_finished, t.is_segment_finished) for t in tasks] == [(False, False), (True, False)]
     assert request.status is RequestStatus.FINISHED_STOPPED and scheduler.residue() == {}
 
@@ -85,4 +86,4 @@ async def test_last_stage_requests_send_nothing_downstream() -> None:
     scheduler.add_request(Request("t", "R"), {"text": "x"}, sends=False)
     await scheduler.step()
     await scheduler.step()
-    assert not scheduler.adapter._pending_save_reqs and scheduler.residue() == {}
+    assert not scheduler.adapter.sender._pending_save_reqs and scheduler.residue() == {}

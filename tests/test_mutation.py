@@ -106,13 +106,13 @@ def _omnisim(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_campaign_kills_what_the_scenarios_guard_and_lists_what_they_do_not(tmp_path: Path) -> None:
     # A release that never reclaims the released generation's keys.
-    killed = _one("runtime/transfer/adapter.py", "ChunkTransferAdapter._run_release_task", "cleanup_prefix")
+    killed = _one("runtime/transfer/sender.py", "ChunkSender._run_release_task", "cleanup_prefix")
     # Key validation: no scenario feeds the runtime a bad key, so nothing can notice its loss.
     survivor = _one("runtime/connectors/keys.py", "validate_key", "raise")
     before = shm_names()
     proc = _omnisim(
         "mutate",
-        "runtime/transfer/adapter.py",
+        "runtime/transfer/sender.py",
         "runtime/connectors/keys.py",
         "--id",
         killed.id,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -11,16 +10,9 @@ import torch
 from runtime.config.deploy import CodecChunking
 from runtime.processors.talker2code2wav import STOP_TOKEN, Talker2Code2WavAsyncChunk, is_valid_frame
 from runtime.request import Request
+from runtime.transfer.generations import GenerationContext, SenderTables
 
 OMNI = CodecChunking(initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25)
-
-
-@dataclass
-class FakeTransfer:
-    """The two adapter dicts the processor reads; put_req_chunk advances as if every put succeeded."""
-
-    code_prompt_token_ids: dict[str, list[Any]] = field(default_factory=dict)
-    put_req_chunk: dict[str, int] = field(default_factory=dict)
 
 
 def frame(i: int) -> torch.Tensor:
@@ -30,16 +22,17 @@ def frame(i: int) -> torch.Tensor:
 
 def run(n_frames: int, *, finish_on_last: bool = True, stop_frame: bool = False) -> list[dict[str, Any]]:
     proc = Talker2Code2WavAsyncChunk(OMNI)
-    tm = FakeTransfer()
+    tables = SenderTables()  # put_req_chunk advances below as if every put succeeded
+    context = GenerationContext(tables, "R")
     req = Request("r", "R")
     sent = []
     steps = [frame(i) for i in range(n_frames)] + ([torch.full((1, 16), STOP_TOKEN)] if stop_frame else [])
     for i, f in enumerate(steps):
         last = i == len(steps) - 1
-        payload = proc(tm, {"codes": {"audio": f}}, req, is_finished=finish_on_last and last)
+        payload = proc(context, {"codes": {"audio": f}}, req, is_finished=finish_on_last and last)
         if payload is not None:
             sent.append(payload)
-            tm.put_req_chunk["R"] = tm.put_req_chunk.get("R", 0) + 1
+            tables.put_req_chunk["R"] = tables.put_req_chunk.get("R", 0) + 1
     return sent
 
 

@@ -5,7 +5,6 @@ Talker to the same frames as the full payload."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,22 +14,19 @@ from runtime.models.talker import Talker, conditioning_from_thinker
 from runtime.models.thinker import ACCEPT_HIDDEN_LAYER, THINKER_HIDDEN, Thinker
 from runtime.processors.thinker2talker import talker_input, thinker2talker_async_chunk, thinker2talker_full_payload
 from runtime.request import Request
+from runtime.transfer.generations import GenerationContext, SenderTables
 
 THINKER = Thinker()
 TALKER = Talker()
 
 
-@dataclass
-class FakeTransfer:
-    """The adapter dicts the processor reads; put_req_chunk advances as if every put succeeded."""
-
-    put_req_chunk: dict[str, int] = field(default_factory=dict)
-    request_payload: dict[str, Any] = field(default_factory=dict)
+class FakeTransfer(SenderTables):
+    """The sender's tables, as if every put succeeded."""
 
     def send(self, request: Request, output: dict[str, Any], finished: bool) -> dict[str, Any] | None:
-        payload = thinker2talker_async_chunk(self, output, request, finished)
+        ext = request.external_req_id
+        payload = thinker2talker_async_chunk(GenerationContext(self, ext), output, request, finished)
         if payload is not None:
-            ext = request.external_req_id
             self.put_req_chunk[ext] = self.put_req_chunk.get(ext, 0) + 1
         return payload
 

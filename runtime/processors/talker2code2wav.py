@@ -19,6 +19,7 @@ import torch
 
 from runtime.config.deploy import CodecChunking
 from runtime.request import Request
+from runtime.transfer.generations import GenerationContext
 
 #: Codebook-0 value of the Talker's end-of-speech frame (spec §9).
 STOP_TOKEN = 2150
@@ -49,18 +50,16 @@ class Talker2Code2WavAsyncChunk:
         self.stop_tokens = stop_tokens
 
     def __call__(
-        self, transfer_manager: Any, multimodal_output: dict[str, Any], request: Request, is_finished: bool
+        self, context: GenerationContext, multimodal_output: dict[str, Any], request: Request, is_finished: bool
     ) -> dict[str, Any] | None:
-        ext = request.external_req_id
-        frames: list[torch.Tensor] = transfer_manager.code_prompt_token_ids.setdefault(ext, [])
+        frames: list[torch.Tensor] = context.codec_frames()
         frame = (multimodal_output.get("codes") or {}).get("audio")
         appended = is_valid_frame(frame, self.stop_tokens)
         if appended:
             frames.append(frame.reshape(-1, frame.shape[-1]))
         elif not is_finished:
             return None
-        chunk_id = transfer_manager.put_req_chunk.get(ext, 0)
-        window = self.window(len(frames), chunk_id, is_finished, appended)
+        window = self.window(len(frames), context.chunk_id, is_finished, appended)
         if window is None:
             return None
         left, end = window

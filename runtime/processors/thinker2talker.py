@@ -6,7 +6,7 @@ rows — layer 0 (the embedding output) and the accepted hidden layer — never 
 
 * **Chunk 0** carries the prefill: the prompt rows *and* at least one generated row, so the
   Talker can start speaking as soon as it arrives. Until a generated row exists the rows are
-  cached in the adapter's ``request_payload`` and nothing is sent (a Thinker that finishes first
+  cached in the generation's context and nothing is sent (a Thinker that finishes first
   sends what it has).
 * **Every later chunk** carries one decode row (``embed.decode``).
 
@@ -25,6 +25,7 @@ import torch
 from runtime.models.talker import TalkerConditioning
 from runtime.models.thinker import ACCEPT_HIDDEN_LAYER, THINKER_HIDDEN, ThinkerOutput
 from runtime.request import Request
+from runtime.transfer.generations import GenerationContext
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _layer(layers: dict[Any, torch.Tensor], index: int) -> torch.Tensor | None:
 
 
 def thinker2talker_async_chunk(
-    transfer_manager: Any,
+    context: GenerationContext,
     multimodal_output: dict[str, Any],
     request: Request,
     is_finished: bool,
@@ -47,15 +48,16 @@ def thinker2talker_async_chunk(
     emb, hid = _layer(layers, 0), _layer(layers, accept_hidden_layer)
     if emb is None or hid is None:
         return None
-    ext = request.external_req_id
     finished = torch.tensor(is_finished)
-    if transfer_manager.put_req_chunk.get(ext, 0) > 0:
+    if context.chunk_id > 0:
         if emb.shape[0] > 1:
-            log.warning("thinker2talker: %d rows after the prefill chunk of %s; dropped", emb.shape[0], ext)
+            log.warning(
+                "thinker2talker: %d rows after the prefill chunk of %s; dropped", emb.shape[0], request.external_req_id
+            )
             return None
         return {"embed": {"decode": emb}, "meta": {"finished": finished}}
 
-    cached = transfer_manager.request_payload.pop(ext, None)
+    cached = context.take_cached_payload()
     if cached is not None:
         emb = torch.cat([cached["embed"]["prefill"], emb])
         hid = torch.cat([cached["hidden_states"]["output"], hid])
@@ -68,7 +70,7 @@ def thinker2talker_async_chunk(
     }
     # Wait until a generated position exists beyond the prompt: the Talker has nothing to say before.
     if not is_finished and (cached is None or emb.shape[0] <= len(request.prompt_token_ids)):
-        transfer_manager.request_payload[ext] = payload
+        context.cache_payload(payload)
         return None
     return payload
 
