@@ -87,6 +87,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "process.killed": ("note", "a simulated process was SIGKILLed: its tasks stop for good [process]"),
     "probe.failed": ("note", "a scenario saw an invariant fail by its own check [invariant, message]"),
     "config.fact": ("note", "what resolving or validating a config gave, and what spec §1 says [fact, got, want]"),
+    "input.case": ("note", "what a bad or boundary input gave, and what it must give [what, got, want]"),
     "serving.timestamps_over_http": ("note", "an HTTP streaming request with word timestamps was judged [accepted]"),
     "client.timestamps": ("note", "where a client's last word ends, and how long its audio is [req, end_ms, audio_ms]"),
     "world.owner_died": ("note", "the owner of a namespace is dead (its process was killed) [ns]"),
