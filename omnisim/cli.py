@@ -695,10 +695,13 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"  seed {v['seed']} (after {s['first_violation_after']} schedules): artifact {v.get('artifact')}")
         if "shrunk" in v:
             shrunk = v["shrunk"]
-            lines.append(
+            line = (
                 f"  shrunk in {shrunk['runs']} runs: {shrunk['preemptions_before']} → {shrunk['preemptions']} "
                 f"preemptions, {shrunk['deviations_before']} → {shrunk['deviations']} deviations from the default"
             )
+            if shrunk.get("faults_before"):  # none fired, or a summary from before faults were shrunk
+                line += f", {shrunk['faults_before']} → {shrunk['faults']} faults"
+            lines.append(line)
         lines.extend(_violations_text(v["violations"][:5]))
     if not s["violations"]:
         lines.append("  no violation")

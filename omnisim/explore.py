@@ -19,6 +19,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from invariants import Violation, check
 from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
+from omnisim.faults import Fault, FaultPlan, UnknownFaultError, fixed_fault
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.shrink import Shrunk, shrink
 from omnisim.sim_kernel import SimKernel
@@ -62,6 +63,11 @@ class RunResult:
     virtual_time_s: float
     #: Faults added from the command line (``--fault``).
     faults: list[str] = field(default_factory=list)
+    #: The faults that replaced every other fault of the run (a shrunk find's); None: the
+    #: scenario's own, the sampled and the command line's.
+    fault_plan: list[Fault] | None = None
+    #: The faults that fired, in order.
+    fired: list[Fault] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -121,10 +127,12 @@ def run_once(
     seed: int,
     mutant: str | None = None,
     params: Params | None = None,
+    fault_plan: list[Fault] | None = None,
 ) -> RunResult:
     """Run one schedule of ``scn`` and check its invariants. The mutant must already be applied.
-    ``params``: the configuration (default: the one ``seed`` walks to)."""
-    return trio.run(run_once_async, scn, store, strategy, seed, mutant, params)
+    ``params``: the configuration (default: the one ``seed`` walks to). ``fault_plan``: the
+    run's only faults, in place of the scenario's (its own, sampled or injected) and ``--fault``'s."""
+    return trio.run(run_once_async, scn, store, strategy, seed, mutant, params, fault_plan)
 
 
 async def run_once_async(
@@ -134,6 +142,7 @@ async def run_once_async(
     seed: int,
     mutant: str | None = None,
     params: Params | None = None,
+    fault_plan: list[Fault] | None = None,
 ) -> RunResult:
     """:func:`run_once` inside a running trio loop (used to run many schedules in one loop)."""
     if store not in STORES:
@@ -145,6 +154,9 @@ async def run_once_async(
         with use_kernel(kernel):
             world = scn.make_world(store, config)
             world.seed = seed
+        if fault_plan is not None:
+            # Set once the world is built: it replaces a plan the world injected as well.
+            kernel.faults = FaultPlan.fixed(fault_plan)
         outcome = await kernel.run_async(lambda: world.run(scn.body))
         # A run the ordering cut short proves nothing about the runtime: it is reported as
         # unsatisfied instead of being checked.
@@ -169,6 +181,8 @@ async def run_once_async(
         unsatisfied=outcome.unsatisfied,
         virtual_time_s=outcome.virtual_time_s,
         faults=list(scn.fault_specs),
+        fault_plan=fault_plan,
+        fired=kernel.faults.fired if kernel.faults is not None else [],
     )
 
 
@@ -464,10 +478,11 @@ async def _shrink(
     params: Params | None,
     still_fails: Callable[[list[Violation]], bool],
 ) -> Shrunk:
-    """The smallest schedule of ``found``'s world that still fails; recorded as what it came from."""
+    """The smallest schedule and fewest faults of ``found``'s world that still fail; recorded as
+    what it came from."""
     shrunk = await shrink(
         found,
-        lambda strategy: run_once_async(scn, store, strategy, seed, mutant, params),
+        lambda strategy, faults: run_once_async(scn, store, strategy, seed, mutant, params, faults),
         lambda res: still_fails(res.violations),
     )
     shrunk.run.strategy = found.strategy | {"shrunk": shrunk.as_dict()}
@@ -564,6 +579,8 @@ def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
         "trace_digest": res.trace_digest,
         "violations": [v.as_dict() for v in res.violations],
     }
+    if res.fault_plan is not None:
+        artifact["fault_plan"] = [fault.as_dict() for fault in res.fault_plan]
     with open(path, "w") as f:
         json.dump(artifact, f, indent=1)
     return path
@@ -619,6 +636,20 @@ def load_artifact(path: str) -> dict[str, Any]:
     return artifact
 
 
+def _fault_plan_of(artifact: dict[str, Any], path: str) -> list[Fault] | None:
+    """The faults an artifact's run had in place of its scenario's (a shrunk find's); None for
+    an artifact without (its faults are the scenario's and its ``faults`` specs, drawn again)."""
+    entries = artifact.get("fault_plan")
+    if entries is None:
+        return None
+    if not isinstance(entries, list):
+        raise UsageError(f"artifact {path!r}: 'fault_plan' must be a list of faults")
+    try:
+        return [fixed_fault(entry) for entry in entries]
+    except UnknownFaultError as e:
+        raise UsageError(f"artifact {path!r}: {e}") from None
+
+
 def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) -> ReplayResult:
     """Re-run an artifact: its exact choices first, its event order where the choices stop fitting.
     With ``check``, run it twice: two runs of one schedule must give the same trace, byte for byte."""
@@ -629,6 +660,7 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
     scn = get_scenario(artifact["scenario"]).with_faults(artifact.get("faults") or [])
     mutant = get_mutant(artifact.get("mutant"))
     scn.configurations(artifact.get("params"))
+    faults = _fault_plan_of(artifact, path)
 
     def once() -> tuple[RunResult, ReplayStrategy]:
         strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
@@ -640,6 +672,7 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
                 seed=artifact["seed"],
                 mutant=artifact.get("mutant"),
                 params=artifact.get("params"),
+                fault_plan=faults,
             )
         res.strategy = {"strategy": "replay", "of": artifact["strategy"]}
         return res, strategy

@@ -33,6 +33,7 @@ kind                       fires at (default)    what happens
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,9 @@ class Fault:
     #: The point it fires at, if not its kind's default.
     at: str | None = None
     hits: int = 0
+    #: Added to the scenario by the command line (``--fault``, ``--faults sampled``), not one of
+    #: the scenario's own: a shrink may drop it, where the scenario's own are what it is about.
+    added: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -108,6 +112,28 @@ class Fault:
         """The exception this fault raises at ``name``; None for a fault the world acts out."""
         make = FAULT_KINDS[self.kind][1]
         return None if make is None else make(attrs)
+
+    def as_dict(self) -> dict[str, object]:
+        """A fault that fires on one hit, as an artifact records it (see :func:`fixed_fault`)."""
+        assert self.probability is None, "a probabilistic fault has no fixed form"
+        return {"kind": self.kind, "at": self.point, "match": dict(self.match), "nth": self.nth, "added": self.added}
+
+
+def fixed_fault(entry: object) -> Fault:
+    """The fault an artifact recorded with :meth:`Fault.as_dict`; anything else is an
+    :class:`UnknownFaultError`."""
+    if not isinstance(entry, dict) or set(entry) != {"kind", "at", "match", "nth", "added"}:
+        raise UnknownFaultError(f"expected a fault with kind, at, match, nth and added, got {entry!r}")
+    kind, at, match, nth, added = entry["kind"], entry["at"], entry["match"], entry["nth"], entry["added"]
+    if not (isinstance(kind, str) and isinstance(at, str) and isinstance(match, dict)):
+        raise UnknownFaultError(f"fault {entry!r}: kind and at must be names, match a mapping")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in match.items()):
+        raise UnknownFaultError(f"fault {entry!r}: match must map names to values")
+    if not isinstance(nth, int) or isinstance(nth, bool) or nth < 1:
+        raise UnknownFaultError(f"fault {entry!r}: nth must be a hit number from 1")
+    if not isinstance(added, bool):
+        raise UnknownFaultError(f"fault {entry!r}: added must be true or false")
+    return Fault(kind, match=dict(match), nth=nth, at=at, added=added)
 
 
 #: What ``--faults sampled`` draws from: the storage failures the runtime must survive anywhere.
@@ -140,13 +166,15 @@ def parse_fault(spec: str) -> Fault:
         match[name] = value
     if nth and not nth.isdigit():
         raise UnknownFaultError(f"fault {spec!r}: expected a hit number after '#', got {nth!r}")
-    return Fault(kind, match=match, nth=int(nth) if nth else 1)
+    return Fault(kind, match=match, nth=int(nth) if nth else 1, added=True)
 
 
 class FaultPlan:
     def __init__(self, faults: list[Fault], seed: int = 0) -> None:
         self.faults = faults
         self._rng = random.Random(seed)
+        #: The faults that fired, in order.
+        self.fired: list[Fault] = []
 
     @classmethod
     def sampled(
@@ -155,17 +183,23 @@ class FaultPlan:
         """BUGGIFY: each kind is active in this run with ``site_probability``; an active kind
         fires on each hit with ``hit_probability``."""
         rng = random.Random(seed)
-        active = [Fault(kind, probability=hit_probability) for kind in kinds if rng.random() < site_probability]
+        active = [
+            Fault(kind, probability=hit_probability, added=True) for kind in kinds if rng.random() < site_probability
+        ]
         return cls(active, seed)
+
+    @classmethod
+    def fixed(cls, faults: list[Fault]) -> FaultPlan:
+        """Exactly ``faults``, as fresh copies (a fault counts its hits, so each run needs its own)."""
+        return cls([dataclasses.replace(fault, hits=0) for fault in faults])
 
     def fire(self, name: str, attrs: dict[str, Attr]) -> Fault | None:
         for fault in self.faults:
             if fault.point != name or not all(str(attrs.get(k)) == v for k, v in fault.match.items()):
                 continue
             fault.hits += 1
-            if fault.probability is not None:
-                if self._rng.random() < fault.probability:
-                    return fault
-            elif fault.hits == fault.nth:
+            fires = self._rng.random() < fault.probability if fault.probability is not None else fault.hits == fault.nth
+            if fires:
+                self.fired.append(fault)
                 return fault
         return None

@@ -1,5 +1,5 @@
-"""Shrinking a failing schedule that the random walk or PCT found, so a person reads the few
-preemptions the bug needs instead of the hundred the search happened to take.
+"""Shrinking a failing run that the random walk or PCT found, so a person reads the few
+preemptions and the few faults the bug needs instead of the hundred the search happened to take.
 
 A schedule is seen the way ``dfs`` sees one (:mod:`omnisim.strategies.dfs`): at every decision,
 the index of the task taken in the *default order* (the task that ran last first, then the rest
@@ -9,27 +9,43 @@ those terms (replaying its choices, so the first candidate fails exactly as foun
 Hypothesis shrinks a choice sequence, tries smaller ones: drop every decision after the last
 deviation, drop a deviation, take an earlier candidate, remove a decision so the ones after it move
 up. A candidate is kept only if the same world (same seed) still fails an invariant that counts.
-Faults and requests are the scenario's (fixed by the seed): they are not shrunk.
+
+Then the faults, if one that the command line added (``--fault``, ``--faults sampled``) fired.
+Every fault that fired in the shrunk run, the scenario's own too, is re-expressed as a fixed one:
+its kind, the point it fired at, that hit's attributes and which matching hit it was
+(:func:`fired_faults`), so a fault that fired with a probability fires there for certain, and the
+plan's faults that never fired are gone. That plan replaces the world's (the artifact records it,
+and replay uses it instead of drawing again); the shrinker drops added faults while the run still
+fails, then shrinks the schedule again, in turn until neither gets smaller. The scenario's own
+faults are never dropped: they are what it is about, and without them its world fails for other
+reasons (``failed_put`` without its full store leaves a chunk nobody reads). A find with no added
+fault is shrunk in its schedule only, as before. The requests are the scenario's: no scenario has
+a parameter for how many it sends, so they are not shrunk.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from omnisim.faults import Fault
 from omnisim.report.timeline import Event, preemptions
 from omnisim.strategies.dfs import DfsStrategy
 
 if TYPE_CHECKING:
     from omnisim.explore import RunResult
     from omnisim.sim_kernel import SimTask
+    from runtime.kernel import Attr
 
-#: Runs one schedule of the failing world.
-RunSchedule = Callable[[DfsStrategy], Awaitable["RunResult"]]
+#: Runs one schedule of the failing world, with exactly the faults given (None: the world's own).
+RunSchedule = Callable[[DfsStrategy, "list[Fault] | None"], Awaitable["RunResult"]]
 #: Whether a run still shows the bug (a violation that counts).
 StillFails = Callable[["RunResult"], bool]
+#: The next candidates from a shrinker's best run: schedules, each with its faults.
+Candidates = Callable[["_Best"], "list[tuple[list[int], list[Fault] | None]]"]
 
 #: Runs and seconds a shrink may spend.
 DEFAULT_SHRINK_RUNS = 300
@@ -53,6 +69,7 @@ class _Following(DfsStrategy):
 
 @dataclass
 class Shrunk:
+    #: The shrunk run; its ``fault_plan`` is the fixed faults it needs (None: no fault fired).
     run: RunResult
     prefix: list[int]
     #: Deviations (non-zero indices) of the schedule as found, and as shrunk.
@@ -61,6 +78,9 @@ class Shrunk:
     #: Preemptions (switches away from a task that could go on) as found, and as shrunk.
     preemptions_before: int
     preemptions: int
+    #: Faults that fired as found, and as shrunk.
+    faults_before: int
+    faults: int
     runs: int
 
     def as_dict(self) -> dict[str, int]:
@@ -69,6 +89,8 @@ class Shrunk:
             "deviations": self.deviations,
             "preemptions_before": self.preemptions_before,
             "preemptions": self.preemptions,
+            "faults_before": self.faults_before,
+            "faults": self.faults,
             "runs": self.runs,
         }
 
@@ -78,8 +100,42 @@ def preemptions_of(res: RunResult) -> int:
     return len(preemptions(events))
 
 
+def faults_of(res: RunResult) -> int:
+    """How many faults fired in ``res``."""
+    return sum(1 for _, name in res.events if name == "fault")
+
+
 def deviations(prefix: list[int]) -> int:
     return sum(1 for index in prefix if index)
+
+
+def fired_faults(res: RunResult) -> list[Fault]:
+    """Every fault that fired in ``res``, in order, as the fixed fault that fires at the very same
+    hit: its kind, the point and that hit's attributes, and the how-manieth hit it was of those
+    alike (and whether it was :attr:`~omnisim.faults.Fault.added`). Hits where an earlier fault
+    fired are not counted, because a plan stops at the first fault that fires and the later ones
+    never see that hit; so with the same schedule these faults fire exactly where the originals
+    did, whatever plan those came from."""
+    fired = [i - 1 for i, (_, name) in enumerate(res.events) if name == "fault"]  # after its point
+    taken = set(fired)
+    faults: list[Fault] = []
+    for at, original in zip(fired, res.fired, strict=True):
+        point = res.events[at][1]
+        match = {name: str(value) for name, value in _attrs(res, at).items()}
+        hit = 1 + sum(1 for i in range(at) if i not in taken and res.events[i][1] == point and _matches(res, i, match))
+        faults.append(Fault(original.kind, match=match, nth=hit, at=point, added=original.added))
+    return faults
+
+
+def _attrs(res: RunResult, i: int) -> dict[str, Attr]:
+    return dict(json.loads(res.trace_lines[i])["a"])
+
+
+def _matches(res: RunResult, i: int, match: dict[str, str]) -> bool:
+    """Whether event ``i`` is a hit of a fault that matches ``match`` (the test of
+    :meth:`~omnisim.faults.FaultPlan.fire`)."""
+    attrs = _attrs(res, i)
+    return all(str(attrs.get(name)) == value for name, value in match.items())
 
 
 def _smaller(prefix: list[int]) -> list[list[int]]:
@@ -96,8 +152,100 @@ def _smaller(prefix: list[int]) -> list[list[int]]:
     return out
 
 
+def _fewer(faults: list[Fault]) -> list[list[Fault]]:
+    """Plans with fewer :attr:`~omnisim.faults.Fault.added` faults than ``faults`` (the scenario's
+    own stay), most promising first: none added at all, then each without one (the last first:
+    dropping it changes the least of the run)."""
+    droppable = [i for i, fault in enumerate(faults) if fault.added]
+    out = [[fault for fault in faults if not fault.added]] if len(droppable) > 1 else []
+    out.extend(faults[:i] + faults[i + 1 :] for i in reversed(droppable))
+    return out
+
+
 def _key(prefix: list[int]) -> tuple[int, int, int]:
     return deviations(prefix), sum(prefix), len(prefix)
+
+
+@dataclass
+class _Best:
+    """The smallest failing run so far: its schedule, and its faults as a fixed plan (None: the
+    world's own plan, before the faults are fixed)."""
+
+    prefix: list[int]
+    run: RunResult
+    faults: list[Fault] | None = None
+
+    def take(self, strategy: DfsStrategy, res: RunResult) -> None:
+        self.prefix, self.run = strategy.taken(), res
+        if self.faults is not None:
+            self.faults = fired_faults(res)  # a fault the new run did not fire is not needed
+
+
+class _Shrinker:
+    """Runs candidates of one failing world within a budget of runs and seconds."""
+
+    def __init__(self, run: RunSchedule, still_fails: StillFails, max_runs: int, max_seconds: float) -> None:
+        self._run = run
+        self._still_fails = still_fails
+        self._max_runs = max_runs
+        self._deadline = time.perf_counter() + max_seconds
+        self.runs = 0
+
+    def spent(self) -> bool:
+        return self.runs >= self._max_runs or time.perf_counter() > self._deadline
+
+    async def failing(self, strategy: DfsStrategy, faults: list[Fault] | None) -> RunResult | None:
+        """The run of ``strategy`` with ``faults`` if it still fails."""
+        res = await self._run(strategy, faults)
+        self.runs += 1
+        return res if self._still_fails(res) else None
+
+    async def _descend(self, best: _Best, candidates: Candidates, smaller: Callable[[DfsStrategy], bool]) -> bool:
+        """Take the first of ``candidates(best)`` that still fails and whose schedule as taken is
+        ``smaller``, and go on from there until none is; whether one was."""
+        shrank, improved = False, True
+        while improved and not self.spent():
+            improved = False
+            for prefix, faults in candidates(best):
+                if self.spent():
+                    break
+                strategy = DfsStrategy(prefix, sum(prefix), lenient=True)
+                res = await self.failing(strategy, faults)
+                if res is not None and smaller(strategy):
+                    best.take(strategy, res)
+                    shrank = improved = True
+                    break
+        return shrank
+
+    async def schedule(self, best: _Best) -> bool:
+        """Take smaller schedules (with ``best``'s faults) until none is; whether one was."""
+        return await self._descend(
+            best,
+            lambda b: [(prefix, b.faults) for prefix in _smaller(b.prefix)],
+            lambda strategy: _key(strategy.taken()) < _key(best.prefix),
+        )
+
+    async def fix_faults(self, best: _Best) -> bool:
+        """Replace the world's plan with the faults that fired, fixed; whether an added one fired
+        (there is something to drop) and the run with them still fails."""
+        faults = fired_faults(best.run)
+        if not any(fault.added for fault in faults) or self.spent():
+            return False
+        strategy = DfsStrategy(best.prefix, sum(best.prefix), lenient=True)
+        res = await self.failing(strategy, faults)
+        if res is None:  # the faults did not come out the same: keep the world's own plan
+            return False
+        best.faults = faults
+        best.take(strategy, res)
+        return True
+
+    async def faults(self, best: _Best) -> bool:
+        """Drop added faults (keeping ``best``'s schedule) until none can go; whether one could.
+        Any schedule will do: a run with fewer faults is smaller, whatever its schedule."""
+        assert best.faults is not None
+        return await self._descend(
+            best, lambda b: [(b.prefix, plan) for plan in _fewer(b.faults or [])], lambda strategy: True
+        )
 
 
 async def shrink(
@@ -107,27 +255,30 @@ async def shrink(
     max_runs: int = DEFAULT_SHRINK_RUNS,
     max_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> Shrunk:
-    """The smallest failing schedule within ``max_runs`` runs and ``max_seconds`` (``found``
-    itself if it cannot be re-expressed)."""
-    deadline = time.perf_counter() + max_seconds
+    """The smallest failing schedule, and then the fewest faults, within ``max_runs`` runs and
+    ``max_seconds`` (``found`` itself if it cannot be re-expressed)."""
+    shrinker = _Shrinker(run, still_fails, max_runs, max_seconds)
     following = _Following(found.choices)
-    best_run = await run(following)
-    runs = 1
-    if not still_fails(best_run):  # the world is not deterministic: keep what was found
-        return Shrunk(found, [], 0, 0, preemptions_of(found), preemptions_of(found), runs)
-    best = following.taken()
-    before = deviations(best)
-    improved = True
-    while improved and runs < max_runs:
-        improved = False
-        for candidate in _smaller(best):
-            if runs >= max_runs or time.perf_counter() > deadline:
-                break
-            strategy = DfsStrategy(candidate, sum(candidate), lenient=True)
-            res = await run(strategy)
-            runs += 1
-            taken = strategy.taken()
-            if still_fails(res) and _key(taken) < _key(best):
-                best, best_run, improved = taken, res, True
-                break
-    return Shrunk(best_run, best, before, deviations(best), preemptions_of(found), preemptions_of(best_run), runs)
+    first = await shrinker.failing(following, None)
+    preempted, faulted = preemptions_of(found), faults_of(found)
+    if first is None:  # the world is not deterministic: keep what was found
+        return Shrunk(found, [], 0, 0, preempted, preempted, faulted, faulted, shrinker.runs)
+    best = _Best(following.taken(), first)
+    deviated = deviations(best.prefix)
+    await shrinker.schedule(best)
+    if await shrinker.fix_faults(best):
+        # Each pass ends where it can do no more; the other may then find more to do.
+        await shrinker.faults(best)
+        while await shrinker.schedule(best) and await shrinker.faults(best):
+            pass
+    return Shrunk(
+        best.run,
+        best.prefix,
+        deviated,
+        deviations(best.prefix),
+        preempted,
+        preemptions_of(best.run),
+        faulted,
+        faults_of(best.run),
+        shrinker.runs,
+    )

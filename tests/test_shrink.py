@@ -1,28 +1,34 @@
-"""A random or PCT find is saved shrunk: fewer deviations, the same invariant, the same world,
-replayable, and the same shrunk run every time."""
+"""A random or PCT find is saved shrunk: fewer deviations and fewer added faults, the same
+invariant, the same world, replayable, and the same shrunk run every time."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import trio
 
 from omnisim import registry
-from omnisim.explore import explore, replay
-from omnisim.shrink import _smaller, deviations
+from omnisim.base import UsageError
+from omnisim.explore import RunResult, explore, replay, run, run_once, run_once_async
+from omnisim.faults import Fault
+from omnisim.registry import applied, get_mutant, get_scenario
+from omnisim.shrink import _fewer, _smaller, deviations, fired_faults, shrink
+from omnisim.strategies.dfs import DfsStrategy
+from omnisim.strategies.random import RandomStrategy
+from omnisim.strategies.replay import ReplayStrategy
 
 registry.load()
 
+#: A mutant whose bug needs one storage error, in a scenario that has none of its own: with
+#: ``--faults sampled`` its first find (seed 1) fires three.
+NEEDS_A_FAULT = {"scenario": "similar_ids", "mutant": "storage_error_not_rolled_back", "faults": ["sampled"]}
+
 
 def _find(tmp_path: Path, strategy: str, **kwargs: object) -> dict:
-    res = explore(
-        "abort_during_put",
-        strategy=strategy,
-        budget=300,
-        mutant="cleanup_on_scheduler_thread",
-        out_dir=str(tmp_path),
-        **kwargs,  # type: ignore[arg-type]
-    )
+    options = {"scenario": "abort_during_put", "mutant": "cleanup_on_scheduler_thread"} | kwargs
+    res = explore(strategy=strategy, budget=300, out_dir=str(tmp_path), **options)  # type: ignore[arg-type]
     assert res.first_violation_after is not None
     return res.violations[-1]
 
@@ -56,3 +62,75 @@ def test_every_candidate_is_smaller() -> None:
     for candidate in _smaller(prefix):
         key = (deviations(candidate), sum(candidate), len(candidate))
         assert key < (deviations(prefix), sum(prefix), len(prefix))
+
+
+def test_fault_candidates_drop_added_faults_only() -> None:
+    own = Fault("put_fail", match={"key": "F_0_3"})
+    added = [Fault("store_full", match={"key": f"R_{i}_0"}, added=True) for i in range(3)]
+    plan = [added[0], own, added[1], added[2]]
+    candidates = _fewer(plan)
+    assert candidates[0] == [own]
+    assert candidates[1:] == [[added[0], own, added[1]], [added[0], own, added[2]], [own, added[1], added[2]]]
+    assert _fewer([own]) == [] and _fewer([own, added[0]]) == [[own]]
+
+
+def test_fired_faults_fire_at_the_same_hits() -> None:
+    """Sampled faults re-expressed as fixed ones give the very same run."""
+    found = run(NEEDS_A_FAULT["scenario"], seed=1, faults=NEEDS_A_FAULT["faults"])
+    fixed = fired_faults(found)
+    assert len(fixed) == 3 and all(f.probability is None and f.added for f in fixed)
+    scn = get_scenario(NEEDS_A_FAULT["scenario"]).with_faults(NEEDS_A_FAULT["faults"])
+    again = run_once(scn, store="memory", strategy=RandomStrategy(1), seed=1, fault_plan=fixed)
+    assert again.trace_digest == found.trace_digest
+    assert fired_faults(again) == fixed
+
+
+def test_a_sampled_find_shrinks_to_the_one_fault_it_needs(tmp_path: Path) -> None:
+    entry = _find(tmp_path, "random", **NEEDS_A_FAULT)
+    assert (entry["shrunk"]["faults_before"], entry["shrunk"]["faults"]) == (3, 1)
+    artifact = json.loads(Path(entry["artifact"]).read_text())
+    [fault] = artifact["fault_plan"]
+    assert fault["added"] and fault["at"] == "shm.put.locked"
+    assert {v["invariant"] for v in entry["violations"]} >= {"no-orphan-lock"}
+    again = replay(entry["artifact"], check=True)
+    assert again.reproduced and again.nondeterminism is None
+    assert [v.invariant for v in again.run.violations] == [v["invariant"] for v in entry["violations"]]
+    # Without that one fault, the same schedule of the same world holds.
+    scn = get_scenario(NEEDS_A_FAULT["scenario"]).with_faults(NEEDS_A_FAULT["faults"])
+    with applied(get_mutant(NEEDS_A_FAULT["mutant"])):
+        strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
+        clean = run_once(scn, store="memory", strategy=strategy, seed=artifact["seed"], fault_plan=[])
+    assert "no-orphan-lock" not in {v.invariant for v in clean.violations}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mutant", "faults"),
+    [("abort_during_put", "cleanup_on_scheduler_thread", 0), ("failed_put", "storage_error_not_rolled_back", 1)],
+)
+def test_a_find_without_added_faults_is_shrunk_in_its_schedule_only(
+    tmp_path: Path, scenario: str, mutant: str, faults: int
+) -> None:
+    """No fault at all, or only the scenario's own (what it is about): no run with a fixed plan."""
+    seed = _find(tmp_path, "random", scenario=scenario, mutant=mutant, shrink_finds=False)["seed"]
+    scn, m = get_scenario(scenario), get_mutant(mutant)
+    assert m is not None
+    plans: list[list[Fault] | None] = []
+
+    async def schedule(strategy: DfsStrategy, plan: list[Fault] | None) -> RunResult:
+        plans.append(plan)
+        return await run_once_async(scn, "memory", strategy, seed, mutant, None, plan)
+
+    with applied(m):
+        found = run_once(scn, store="memory", strategy=RandomStrategy(seed), seed=seed, mutant=mutant)
+        shrunk = trio.run(shrink, found, schedule, lambda res: any(v.invariant in m.expect for v in res.violations))
+    assert plans and all(plan is None for plan in plans)
+    assert shrunk.run.fault_plan is None and (shrunk.faults_before, shrunk.faults) == (faults, faults)
+
+
+def test_a_malformed_fault_plan_is_a_usage_error(tmp_path: Path) -> None:
+    entry = _find(tmp_path, "random", **NEEDS_A_FAULT)
+    artifact = json.loads(Path(entry["artifact"]).read_text())
+    artifact["fault_plan"][0]["nth"] = 0
+    Path(entry["artifact"]).write_text(json.dumps(artifact))
+    with pytest.raises(UsageError, match="nth must be a hit number"):
+        replay(entry["artifact"])
