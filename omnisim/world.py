@@ -182,10 +182,16 @@ class World:
         self.services[name] = (run, shutdown, process)
 
     def inject(self, faults: FaultPlan | None) -> None:
-        """The fault plan of this run (a scenario whose faults depend on its configuration)."""
+        """Faults of a scenario that depend on its configuration, tried before the run's others
+        (``--fault``, ``--faults sampled``), which stay: replacing the plan dropped them."""
         kernel = current_kernel()
         assert isinstance(kernel, SimKernel)
-        kernel.faults = faults
+        if faults is None:
+            return
+        if kernel.faults is None:
+            kernel.faults = faults
+        else:
+            kernel.faults.faults[:0] = faults.faults
 
     def spawn(self, process: str) -> Owner:
         """A new simulated process, named ``process`` in this world."""

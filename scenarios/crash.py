@@ -99,7 +99,7 @@ async def send(req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.
         offset += n
 
 
-async def receive(req: EdgeRequest, *, talker_alive: bool = True, pause_s: float = 0.0) -> float | None:
+async def receive(req: EdgeRequest, *, pause_s: float = 0.0) -> float | None:
     """Code2Wav's side: register for each chunk, record its frames, until the terminal or a
     failure the adapters report (or the client's patience runs out). The time it failed.
     ``pause_s``: a slow consumer, idle that long before it asks for each chunk."""
@@ -114,7 +114,8 @@ async def receive(req: EdgeRequest, *, talker_alive: bool = True, pause_s: float
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
             await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
             reasons = adapter.collect_failed_receive_request_ids()
-            if talker_alive:
+            # The Talker's failures are asked of it only while it lives: a dead process tells nothing.
+            if req.world.alive(req.talker.process):
                 reasons |= req.talker.adapter.collect_failed_send_request_ids()
             reason = reasons.get(request.request_id) or reasons.get(req.sender.request_id)
             if reason is not None:
@@ -171,7 +172,7 @@ async def writer_crash(world: World) -> None:
     failed_at: list[float | None] = []
 
     async def consume() -> None:
-        failed_at.append(await receive(req, talker_alive=False))
+        failed_at.append(await receive(req))
 
     await in_process([(MAIN_PROCESS, "R.consume", consume), ("stage1", "R.produce", lambda: send(req, CHUNKS))])
     died = world.death_time("stage1")
@@ -205,9 +206,10 @@ async def reader_crash(world: World) -> None:
     )
     # The consumer's process is gone: its client will hear nothing more. The orchestrator ends
     # the request on the live stage and sweeps the dead one's namespace.
-    while world.death_time("stage2") is None:
+    while world.death_time("stage2") is None and req.stream.outcome == "open":
         await k.sleep(0.01)
-    req.stream.outcome = "aborted"
+    if req.stream.outcome == "open":
+        req.stream.outcome = "aborted"
     await req.talker.adapter.finish_requests([req.sender])
     await req.talker.adapter.release_shm_resources(req.ext)
     await world.sweep_dead()

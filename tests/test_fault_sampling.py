@@ -59,3 +59,14 @@ def test_sampled_faults_keep_the_race_scenarios_clean() -> None:
 @pytest.mark.parametrize("spec", ["sometimes", "sampled:meteor"])
 def test_a_bad_sampled_spec_is_a_usage_error(spec: str) -> None:
     assert main(["explore", "abort_during_put", "--faults", spec, "--budget", "1"]) == 2
+
+
+@pytest.mark.parametrize("scenario", ["writer_crash", "stage_crash"])
+def test_a_fault_from_the_command_line_fires_in_a_scenario_that_injects_its_own(scenario: str) -> None:
+    """A scenario whose faults depend on its configuration injects them as the world is built;
+    that replaced the whole plan, so a ``--fault`` given to it never fired."""
+    from omnisim.explore import run
+
+    res = run(scenario, faults=["put_fail"])
+    fired = [line for line in res.trace_lines if '"ev":"fault"' in line]
+    assert any('"kind":"put_fail"' in line for line in fired), fired
