@@ -33,7 +33,6 @@ from scenarios.pipeline import ASYNC_CHUNK, SHORT, Client, engine_of, pipeline_s
 
 #: Every character a key may hold.
 ALPHABET = "ABCXYZabcxyz0189_.:-"
-REFUSED = "refused"
 ROUND_TRIP = "round trip"
 
 #: Keys a store must refuse: empty, too long, a path, a space, a non-ASCII letter, not a str.
@@ -127,8 +126,8 @@ async def hostile_keys_and_payloads(world: World) -> None:
         got, _ = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
         note_case(f"a get under the key {shown(key)}", got, "InvalidKeyError")
 
-    for name, payload in BAD_PAYLOADS.items():
-        key = f"bad_{len(name)}_0"
+    for i, (name, payload) in enumerate(BAD_PAYLOADS.items()):
+        key = f"bad_{i}_0"
         result = await sender.put(*edge, key, payload)
         note_case(f"a put of {name}", "put failed" if not result.ok else "put accepted", "put failed")
         got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
