@@ -87,8 +87,7 @@ def bounded_wait(world: ObservedWorld) -> list[str]:
 def bad_input_refused(world: ObservedWorld) -> list[str]:
     return [
         f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
-        for e in world.trace
-        if e.name == "input.case" and e.attrs["got"] != e.attrs["want"]
+        for e in world.missed_expectations("input.case")
     ]
 
 

@@ -111,8 +111,7 @@ def config_contract(world: ObservedWorld) -> list[str]:
     # a config gave, next to what spec §1 says it must give (``config.fact``).
     return [
         f"{e.attrs['fact']}: got {e.attrs['got']}, spec §1 says {e.attrs['want']}"
-        for e in world.trace
-        if e.name == "config.fact" and e.attrs["got"] != e.attrs["want"]
+        for e in world.missed_expectations("config.fact")
     ]
 
 

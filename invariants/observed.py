@@ -135,3 +135,8 @@ class ObservedWorld:
     crashes: list[tuple[str, str]] = field(default_factory=list)
     #: Virtual time when the run ended (or was stopped).
     end_time_us: int = 0
+
+    def missed_expectations(self, event: str) -> list[TraceEvent]:
+        """The ``event`` notes whose ``got`` is not their ``want``: a scenario that states a
+        contract case by case (a config resolved, a bad input refused) notes each case so."""
+        return [e for e in self.trace if e.name == event and e.attrs["got"] != e.attrs["want"]]
