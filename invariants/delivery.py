@@ -15,8 +15,9 @@ def terminal_delivered(world: ObservedWorld) -> list[str]:
     for s in world.streams.values():
         if s.outcome == "open":
             continue  # reported by liveness
-        if s.outcome not in s.allowed_outcomes:
-            out.append(f"request {s.request_id} ended {s.outcome}; expected {' or '.join(sorted(s.allowed_outcomes))}")
+        allowed = world.allowed_outcomes(s)
+        if s.outcome not in allowed:
+            out.append(f"request {s.request_id} ended {s.outcome}; expected {' or '.join(sorted(allowed))}")
             continue
         if s.outcome != "finished":
             continue

@@ -6,6 +6,7 @@ A run hands the checkers its trace, snapshots of its stores and of every compone
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -135,6 +136,22 @@ class ObservedWorld:
     crashes: list[tuple[str, str]] = field(default_factory=list)
     #: Virtual time when the run ended (or was stopped).
     end_time_us: int = 0
+
+    def allowed_outcomes(self, stream: Stream) -> frozenset[str]:
+        """What ``stream`` may end with: what its scenario expects, and "failed" too once an
+        injected fault hit one of its request's keys (a fault may fail the request it hits,
+        never another one, and never make it hang or finish with a gap)."""
+        if stream.external_req_id in self.faulted_requests:
+            return stream.allowed_outcomes | {"failed"}
+        return stream.allowed_outcomes
+
+    @functools.cached_property
+    def faulted_requests(self) -> frozenset[str]:
+        """The external request ids whose chunk keys (``{id}_{stage}_{chunk}``) an injected
+        fault hit."""
+        return frozenset(
+            str(e.attrs["key"]).rsplit("_", 2)[0] for e in self.trace if e.name == "fault" and "key" in e.attrs
+        )
 
     def missed_expectations(self, event: str) -> list[TraceEvent]:
         """The ``event`` notes whose ``got`` is not their ``want``: a scenario that states a

@@ -682,8 +682,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def explore_lines(s: dict[str, Any]) -> list[str]:
     """The lines printed for one finished (or interrupted) exploration."""
+    faults = f", faults={'+'.join(s['faults'])}" if s.get("faults") else ""
     head = (
-        f"{s['scenario']} [{s['strategy']}, {s['store']}, mutant={s['mutant']}]: {s['schedules']} schedules, "
+        f"{s['scenario']} [{s['strategy']}, {s['store']}, mutant={s['mutant']}{faults}]: {s['schedules']} schedules, "
         f"{s['schedules_per_s']}/s"
     )
     if s["unsatisfied_runs"]:
@@ -747,7 +748,8 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
             _explore_in_processes(args.jobs, jobs, progress, args.plugin)
             return progress.finished
         for scenario, kwargs in jobs:
-            label = f"{scenario} [{kwargs.get('strategy', 'random')}, {kwargs.get('store', 'memory')}]"
+            faults = f", faults={'+'.join(kwargs['faults'])}" if kwargs.get("faults") else ""
+            label = f"{scenario} [{kwargs.get('strategy', 'random')}, {kwargs.get('store', 'memory')}{faults}]"
             on_schedule = progress.start(label, kwargs["budget"])
             try:
                 res = ex.explore(scenario, on_schedule=on_schedule, **kwargs)
@@ -958,18 +960,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def check_plans(scn: Any, budget: int, stores: list[str]) -> list[tuple[str, str, int]]:
+def check_plans(scn: Any, budget: int, stores: list[str]) -> list[tuple[str, str, int, list[str]]]:
     """What ``check`` runs for one scenario: every strategy that can find something (the random
-    walk, PCT, and the scenario's ordering if it declares one) on each store; /dev/shm gets a
+    walk, PCT, and the scenario's ordering if it declares one) on each store, and the random walk
+    again with faults sampled on top of the scenario's own (BUGGIFY: storage errors, failed and
+    raising puts, undecodable chunks), whose invariants must hold all the same; /dev/shm gets a
     quarter of the memory store's budget (a schedule there costs real system calls)."""
     share = scn.budget(budget)
     plans = []
     for store in stores:
         scale = 1 if store == "memory" else 4
-        plans.append(("random", store, max(1, share // scale)))
-        plans.append(("pct", store, max(1, share // (2 * scale))))
+        plans.append(("random", store, max(1, share // scale), []))
+        plans.append(("pct", store, max(1, share // (2 * scale)), []))
+        plans.append(("random", store, max(1, share // (2 * scale)), ["sampled"]))
     if scn.constraints and "memory" in stores:
-        plans.append(("ordered", "memory", max(1, share // 4)))
+        plans.append(("ordered", "memory", max(1, share // 4), []))
     return plans
 
 
@@ -983,10 +988,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         (
             name,
             {"strategy": strategy, "budget": budget, "seed": args.seed, "store": store, "out_dir": args.out}
-            | {"determinism_every": CHECK_DETERMINISM_EVERY},
+            | {"determinism_every": CHECK_DETERMINISM_EVERY, "faults": faults},
         )
         for name in sorted(registry.SCENARIOS)
-        for strategy, store, budget in check_plans(registry.SCENARIOS[name], args.budget, stores)
+        for strategy, store, budget, faults in check_plans(registry.SCENARIOS[name], args.budget, stores)
     ]
     results = _explore_all(args, jobs)
     path = write_check_report(results, args.out)

@@ -253,6 +253,8 @@ class ExploreResult:
     exhausted: bool = False
     #: The digests of the different traces its schedules produced.
     traces: set[str] = field(default_factory=set)
+    #: The faults asked for on top of the scenario's own (``--fault``, ``--faults``).
+    faults: list[str] = field(default_factory=list)
 
     def counts(self, violations: list[Violation]) -> bool:
         """Whether a run with ``violations`` is a find."""
@@ -276,6 +278,7 @@ class ExploreResult:
             "strategy": self.strategy,
             "store": self.store,
             "mutant": self.mutant,
+            "faults": self.faults,
             "schedules": self.schedules,
             "seconds": round(self.seconds, 3),
             "schedules_per_s": round(self.schedules / self.seconds, 1) if self.seconds else None,
@@ -345,7 +348,17 @@ def explore(
     scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     scn.configurations(params)  # an unknown parameter is a usage error before anything runs
-    result = ExploreResult(scenario, strategy, store, mutant, 0, 0.0, budget=budget, wanted=m.expect if m else None)
+    result = ExploreResult(
+        scenario,
+        strategy,
+        store,
+        mutant,
+        0,
+        0.0,
+        budget=budget,
+        wanted=m.expect if m else None,
+        faults=list(faults or []),
+    )
     start = time.perf_counter()
     with applied(m), _interruptible(result, start), stop_at_decisions():
         if strategy == "hypothesis":

@@ -96,5 +96,5 @@ POINTS: dict[str, tuple[str, str]] = {
     "kernel.wait": ("note", "a task waits on a signal or sleeps [on]"),
     "kernel.timeout": ("note", "a task's wait on a signal ended by its timeout, not by a notify [on]"),
     "kernel.crash": ("note", "a task died with an exception [error]"),
-    "fault": ("note", "an injected fault fired [kind, at]"),
+    "fault": ("note", "an injected fault fired [kind, at, key where its point has one]"),
 }

@@ -539,7 +539,8 @@ class SimKernel:
         if self.faults is not None:
             fault = self.faults.fire(name, attrs)
             if fault is not None:
-                self._emit(me, "fault", {"kind": fault.kind, "at": name})
+                where = {"key": attrs["key"]} if "key" in attrs else {}
+                self._emit(me, "fault", {"kind": fault.kind, "at": name, **where})
                 error = fault.exception(name, attrs)
                 if error is not None:
                     raise error

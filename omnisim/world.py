@@ -115,6 +115,9 @@ class World:
         self.deaths: dict[str, float] = {}
         #: A task hangs for good (a ``stall`` fault fired).
         self.stalled = False
+        #: What the orchestrator would have done by quiescence that the scenario's own pieces
+        #: may not have (a world without one: drain the stages' failure channels).
+        self.settle: Callable[[], Awaitable[None]] | None = None
 
     def probe(self, invariant: str, ok: bool, message: str) -> None:
         """Record a violation of ``invariant`` seen by the scenario itself (a client comparing
@@ -192,6 +195,14 @@ class World:
             kernel.faults = faults
         else:
             kernel.faults.faults[:0] = faults.faults
+
+    @staticmethod
+    def fired_faults() -> list[Fault]:
+        """The faults that fired so far in this run, in order (the scenario's own and any
+        ``--fault``, ``--faults sampled`` on top of them)."""
+        kernel = current_kernel()
+        assert isinstance(kernel, SimKernel)
+        return list(kernel.faults.fired) if kernel.faults is not None else []
 
     def spawn(self, process: str) -> Owner:
         """A new simulated process, named ``process`` in this world."""
@@ -346,6 +357,8 @@ class World:
                     tasks.start_soon(run, name=name)
             await body(self)
             await k.sleep(QUIESCE_S)
+            if self.settle is not None:
+                await self.settle()
             self.snapshot("quiescence")
             for _, shutdown, _ in self.services.values():
                 shutdown()

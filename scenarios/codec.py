@@ -24,7 +24,16 @@ from runtime.serving import (
     SamplingParams,
     StageAudio,
 )
-from scenarios.edge import CODE2WAV, TALKER, EdgeRequest, next_chunk, release, together
+from scenarios.edge import (
+    CODE2WAV,
+    TALKER,
+    EdgeRequest,
+    next_chunk,
+    release,
+    settle,
+    together,
+    watch_failures,
+)
 
 #: The Qwen3-Omni deploy's chunking (spec §9).
 OMNI_CHUNKING = CodecChunking(initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25)
@@ -35,6 +44,7 @@ def codec_world(store_kind: str) -> World:
     world = World(store_kind)
     world.add_stage(TALKER, processor=Talker2Code2WavAsyncChunk(OMNI_CHUNKING), receives=False)
     world.add_stage(CODE2WAV, sends=False)
+    world.settle = functools.partial(settle, world)
     return world
 
 
@@ -186,6 +196,31 @@ async def code2wav_stage(
         )
 
 
+async def end_request(req: EdgeRequest, scheduler: GenerationScheduler, outcome: str) -> None:
+    """The orchestrator ends a request early (``aborted``, ``failed``): both stages drop it,
+    Code2Wav possibly while it is parked waiting for a chunk."""
+    if req.stream.outcome != "open":
+        return  # already ended: ending it again could cancel a newer generation of its id
+    req.stream.outcome = outcome
+    if not req.sender.is_finished():
+        await req.talker.adapter.finish_requests([req.sender])
+    scheduler.request_abort(req.receiver.request_id)
+
+
+def orchestrator_failures(
+    world: World, reqs: list[EdgeRequest], scheduler: GenerationScheduler
+) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """The job that fails a request whose chunk could not be sent or received, as the
+    orchestrator does (Code2Wav's scheduler waits for input up to its deadline, 600 s)."""
+
+    async def fail(req: EdgeRequest, reason: str) -> None:
+        if req.stream.outcome == "open":
+            current_kernel().note("orch.fail", req=req.name, reason=reason)
+        await end_request(req, scheduler, "failed")
+
+    return ("orch.failures", lambda: watch_failures(world, reqs, fail))
+
+
 def note_timestamps(req: str, end_ms: float | None, audio_ms: float) -> None:
     """What a client's word timestamps cover, for ``aligner-complete``: where the last word ends
     (None: no timestamps came), and how long the audio it got lasts."""
@@ -226,17 +261,14 @@ async def code2wav_stream(world: World) -> None:
         # The client disconnects at some point: both stages drop the request, Code2Wav possibly
         # while it is parked waiting for a chunk.
         await current_kernel().point("orch.abort.begin", req=gone.ext)
-        if gone.stream.outcome == "open":
-            gone.stream.outcome = "aborted"
-            if not gone.sender.is_finished():
-                await gone.talker.adapter.finish_requests([gone.sender])
-            scheduler.request_abort(gone.receiver.request_id)
+        await end_request(gone, scheduler, "aborted")
         await current_kernel().point("orch.abort.end", req=gone.ext)
 
     await together(
         *talk_jobs(reqs, lengths),
         ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)),
         ("orch.abort", abort_gone),
+        orchestrator_failures(world, reqs, scheduler),
     )
     for req in reqs:
         await release(req)
@@ -288,7 +320,11 @@ async def streaming_word_timestamps(world: World) -> None:
             req, serving.request_params(defaults, stream=True, word_timestamps=timed), timed
         )
     scheduler = code2wav_scheduler(world, reqs)
-    await together(*talk_jobs(reqs, lengths), ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)))
+    await together(
+        *talk_jobs(reqs, lengths),
+        ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)),
+        orchestrator_failures(world, reqs, scheduler),
+    )
     aligner = ForcedAligner()
     for client in clients.values():
         if client.req.stream.outcome != "finished" or not client.word_timestamps:

@@ -55,6 +55,7 @@ def edge_world(store_kind: str) -> World:
     # At this edge the Talker only sends and Code2Wav (the final stage) only receives.
     world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False)
     world.add_stage(CODE2WAV, sends=False)
+    world.settle = functools.partial(settle, world)
     return world
 
 
@@ -163,8 +164,9 @@ async def abort(req: EdgeRequest) -> None:
 
 async def finish_everywhere(req: EdgeRequest) -> None:
     """Finish the request on every stage that still tracks it. The Talker's scheduler stops
-    tracking its request once the terminal is queued; from then on only the adapter owns it."""
-    if not req.sender.is_finished():
+    tracking its request once the terminal is queued; from then on only the adapter owns it.
+    (A stage whose process died does nothing more.)"""
+    if not req.sender.is_finished() and req.world.alive(req.talker.process):
         await req.talker.adapter.finish_requests([req.sender])
     await req.code2wav.adapter.finish_requests([req.receiver])
 
@@ -175,18 +177,45 @@ async def fail(req: EdgeRequest, reason: str) -> None:
         return  # already ended: finishing it again could cancel a newer generation of its id
     current_kernel().note("orch.fail", req=req.name, reason=reason)
     req.stream.outcome = "failed"
+    req.stream.error = reason
     await finish_everywhere(req)
 
 
-async def check_failures(world: World) -> None:
-    """Drain the send-failure channel of the Talker and the receive-failure channel of Code2Wav,
-    and fail the requests they name."""
-    sent = world.stages[TALKER].adapter.collect_failed_send_request_ids()
+async def check_failures(world: World, fail: Callable[[EdgeRequest, str], Awaitable[None]] = fail) -> None:
+    """Drain the send-failure channel of the Talker (while its process lives: a dead one tells
+    nothing) and the receive-failure channel of Code2Wav, and ``fail`` every request they name
+    (a channel drained for one request holds its neighbours' failures too)."""
+    talker = world.stages[TALKER]
+    sent = talker.adapter.collect_failed_send_request_ids() if world.alive(talker.process) else {}
     received = world.stages[CODE2WAV].adapter.collect_failed_receive_request_ids()
     for req in world.requests:
         reason = sent.get(req.sender.request_id) or received.get(req.receiver.request_id)
         if reason is not None:
             await fail(req, reason)
+
+
+async def watch_failures(
+    world: World, reqs: list[EdgeRequest], fail: Callable[[EdgeRequest, str], Awaitable[None]] = fail
+) -> None:
+    """The orchestrator's side of a consumer that does not look at the failure channels itself
+    (a stage's own scheduler): until every request of ``reqs`` ended, look at them as often as a
+    consumer waiting for a chunk would, and ``fail`` the requests they name (#4855 R1.2)."""
+    k = current_kernel()
+    while any(req.stream.outcome == "open" for req in reqs):
+        await k.sleep(CONSUMER_WAIT_S)
+        await check_failures(world, fail)
+
+
+async def settle(world: World) -> None:
+    """What the orchestrator has done by quiescence that a scenario's own pieces may not have:
+    it drained the failure channels, and it swept every failed request's chunks once no stage
+    needed them (spec §2.11) — here only for an id no other request of the run reuses, whose
+    leftovers the sweep would hide."""
+    await check_failures(world)
+    for req in world.requests:
+        reused = any(other is not req and other.ext == req.ext for other in world.requests)
+        if req.stream.outcome == "failed" and not reused and world.alive(req.talker.process):
+            await req.talker.adapter.release_shm_resources(req.ext)
 
 
 async def together(*jobs: tuple[str, Callable[[], Awaitable[object]]]) -> None:

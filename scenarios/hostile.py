@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Patch, mutant
 from omnisim.world import World
 from runtime.connectors import keys
+from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
 from runtime.kernel import current_kernel
 from runtime.serving import MAX_INPUT_CHARS
@@ -34,6 +36,7 @@ from scenarios.pipeline import ASYNC_CHUNK, SHORT, Client, engine_of, pipeline_s
 #: Every character a key may hold.
 ALPHABET = "ABCXYZabcxyz0189_.:-"
 ROUND_TRIP = "round trip"
+CLEAN_FAILURE = "a failed put, or a corrupt chunk"
 
 #: Keys a store must refuse: empty, too long, a path, a space, a non-ASCII letter, not a str.
 BAD_KEYS: tuple[object, ...] = ("", ".", "..", "a/b", "../x", "a b", "é", "k" * (MAX_KEY_LENGTH + 1), 7, None)
@@ -101,7 +104,7 @@ async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
     """What ``call`` gave: the name of the error it raised, or ``ok`` and its result."""
     try:
         return "ok", await call()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, CorruptChunk, InjectedCrash) as e:
         return type(e).__name__, None
 
 
@@ -135,10 +138,19 @@ async def hostile_keys_and_payloads(world: World) -> None:
 
     for i, (name, payload) in enumerate({"the longest key": {"x": 1}, **good_payloads()}.items()):
         key = LONGEST_KEY if i == 0 else f"good_{i}_0"
-        await sender.put(*edge, key, payload)
+        fired = len(world.fired_faults())
+        put_got, put = await outcome(lambda key=key, payload=payload: sender.put(*edge, key, payload))  # type: ignore[misc]
         got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
         came_back = got == "ok" and taken is not None and same(payload, taken[0])
-        note_case(f"{name}, put and got back", ROUND_TRIP if came_back else f"{got}: {taken!r}"[:200], ROUND_TRIP)
+        seen = ROUND_TRIP if came_back else f"{got}: {taken!r}"[:200]
+        if len(world.fired_faults()) > fired:
+            # An injected fault struck the put or the get: it must fail cleanly, never hand back
+            # a payload, and never lose one that was put without saying so.
+            put_ok = put_got == "ok" and put.ok
+            seen = CLEAN_FAILURE if taken is None and (got == "CorruptChunk" or not put_ok) else seen
+            note_case(f"{name}, put and got back under an injected fault", seen, CLEAN_FAILURE)
+        else:
+            note_case(f"{name}, put and got back", seen, ROUND_TRIP)
 
 
 #: Request ids an engine must refuse at submission.

@@ -231,9 +231,15 @@ async def unread_head_rotation(world: World) -> None:
     await together(("B.consume", lambda: consume(read)), ("B.produce", lambda: produce(read, [1] * 65)))
     await k.sleep(0.35)  # at least three idle reap passes
     pending = world.stages[TALKER].connector.residue()["pending_keys"]
+    unread_keys = {f"A_1_{i}" for i in range(65)}
+    # An injected fault may have failed some of A's puts (nothing of theirs is left to track);
+    # still, once B was consumed, no key of B may stay tracked. (One that failed B itself leaves
+    # B's unread keys to the orchestrator's sweep: there is no consumed B to check.)
+    faulted = bool(world.fired_faults())
     world.probe(
         "no-tombstones",
-        sorted(pending) == sorted(f"A_1_{i}" for i in range(65)),
+        read.stream.outcome != "finished"
+        or (set(pending) <= unread_keys if faulted else sorted(pending) == sorted(unread_keys)),
         f"after B was consumed and three idle reaps the sender still tracks {len(pending)} keys "
         f"({sum(key.startswith('B_') for key in pending)} of them consumed); expected exactly A's 65",
     )

@@ -59,6 +59,9 @@ CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ("talker", "paused"): ("pause_stage", "shm.put.written", {"key": "V_1_1"}),
 }
 CRASH = Param("crash", tuple(f"{stage}@{phase}" for stage, phase in CRASHES), "which stage dies, and when")
+#: How soon after its death a stage must be running again: noticed within a second of silence,
+#: restarted after the supervisor's first back-off.
+RESTART_WITHIN_S = 1.5
 #: The invariants of a stage death, on top of the defaults.
 ISOLATION = (*DEFAULT_INVARIANTS, "fault-isolation", "death-noticed", "abort-stops-work", "no-residue-after-sweep")
 
@@ -123,6 +126,12 @@ async def stage_crash(world: World) -> None:
     await world.sweep_dead()
     engine = engine_of(world)
     sid = STAGE_IDS[stage]
+    # The requests may all have ended (an injected fault failed them) before the supervisor
+    # even noticed the death: it has a second to notice and its first back-off to restart.
+    k = current_kernel()
+    deadline = k.now() + RESTART_WITHIN_S
+    while world.deaths and engine.stages[sid].health()["restarts"] < 1 and k.now() < deadline:
+        await k.sleep(0.05)
     world.probe(
         "fault-isolation",
         not world.deaths or engine.stages[sid].health()["restarts"] >= 1,

@@ -39,13 +39,14 @@ def test_a_failed_put_leaves_no_state_and_reclaims_only_its_own_keys(
 
 
 def test_sampled_faults_are_drawn_from_the_seed_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # similar_ids expects every request to finish: a sampled storage fault fails one, which the
-    # scenario reports (terminal-delivered) — a find to replay, not a runtime bug.
-    args = ["explore", "similar_ids", "--faults", "sampled", "--budget", "50", "--out", str(tmp_path), "--json"]
+    # A sampled stall stops a reader for good holding a key's lock, in a process nothing
+    # supervises: its requests hang (liveness) — a find to replay. (The faults the runtime
+    # handles fail only the requests they hit, which the invariants allow: see check's plans.)
+    args = ["explore", "similar_ids", "--faults", "sampled:stall", "--budget", "50", "--out", str(tmp_path), "--json"]
     assert main(args) == 1
     found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     artifact = found["violations"][0]["artifact"]
-    assert json.loads(Path(artifact).read_text())["faults"] == ["sampled"]
+    assert json.loads(Path(artifact).read_text())["faults"] == ["sampled:stall"]
     assert main(["replay", artifact]) == 1  # the same faults fire again: it reproduces
 
 

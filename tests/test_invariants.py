@@ -125,6 +125,30 @@ def test_failures_have_causes_wants_a_fault_or_a_kill_before_a_failure() -> None
     assert "shm.get.corrupt (key=R_1_0)" in message and "no fault" in message
 
 
+def test_a_fault_may_fail_the_request_it_hit_and_no_other() -> None:
+    from invariants.observed import Stream
+
+    def world(fault_key: str) -> ObservedWorld:
+        w = world_of(("fault", {"kind": "put_fail", "at": "shm.put.begin", "key": fault_key}))
+        w.streams = {
+            ext: Stream(f"{ext}-code2wav", ext, frames_sent=4, chunks=[(2, False)], outcome="failed")
+            for ext in ("task_1", "task")
+        }
+        return w
+
+    # A fault on a chunk of task_1 (``task_1_1_0``) may fail task_1, never its sibling task.
+    (message,) = INVARIANTS["terminal-delivered"].check(world("task_1_1_0"))
+    assert message == "request task-code2wav ended failed; expected finished"
+    assert len(INVARIANTS["terminal-delivered"].check(world("other_1_0"))) == 2
+    # A request the fault hit that still finishes must have had every frame.
+    finished = world("task_1_1_0")
+    finished.streams["task_1"].outcome = "finished"
+    finished.streams["task_1"].chunks = [(2, True)]
+    del finished.streams["task"]
+    (gap,) = INVARIANTS["terminal-delivered"].check(finished)
+    assert "received 2 codec frames of 4 sent" in gap
+
+
 def test_no_lost_wakeup_flags_a_timeout_after_a_put_for_the_waiting_stage() -> None:
     def world(*events: tuple[str, str, dict[str, object]]) -> ObservedWorld:
         trace = [TraceEvent(i, 0, task, name, attrs) for i, (task, name, attrs) in enumerate(events)]  # type: ignore[arg-type]

@@ -473,7 +473,7 @@ def test_put_fail_fault_fires_on_the_first_matching_point_only() -> None:
     plan = FaultPlan([Fault("put_fail", match={"key": "k"})])
     out = SimKernel(RandomStrategy(0), faults=plan).run(main)
     assert raised == [("shm.put.begin", "k")]
-    assert events(out, "fault") == [("main", "fault", {"kind": "put_fail", "at": "shm.put.begin"})]
+    assert events(out, "fault") == [("main", "fault", {"kind": "put_fail", "at": "shm.put.begin", "key": "k"})]
     assert plan.faults[0].hits == 2
 
 

@@ -98,8 +98,9 @@ def mutate(
     on_outcome: Callable[[Outcome], None] = lambda o: None,
     on_baseline: Callable[[Baseline], None] = lambda b: None,
 ) -> MutationReport:
-    """Run ``mutations`` against every scenario (or ``scenarios``) on every store, ``budget``
-    random and ``budget // 2`` PCT schedules per plan; ``time_limit``: seconds per mutant."""
+    """Run ``mutations`` against every scenario (or ``scenarios``) on every store, with and
+    without sampled faults, ``budget`` random and ``budget // 2`` PCT schedules per plan;
+    ``time_limit``: seconds per mutant."""
     import time
 
     from omnisim import registry
@@ -108,7 +109,7 @@ def mutate(
     for name in names:
         registry.get_scenario(name)
     start = time.perf_counter()
-    plans = [Plan(name, store) for name in names for store in STORES]
+    plans = [Plan(name, store, faults) for faults in ((), ("sampled",)) for name in names for store in STORES]
     files = sorted({m.path for m in mutations})
     baseline = measure_baseline(plans, files, budget, seed)
     on_baseline(baseline)

@@ -46,13 +46,16 @@ DETECTED = ("killed", "crashed", "timeout")
 
 @dataclass(frozen=True)
 class Plan:
-    """One scenario on one store, run with ``budget`` random schedules and half as many PCT."""
+    """One scenario on one store, run with ``budget`` random schedules and half as many PCT;
+    with ``faults`` (``sampled``: BUGGIFY), those faults on top of the scenario's own, so that
+    the runtime's failure paths run too."""
 
     scenario: str
     store: str
+    faults: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.scenario}/{self.store}"
+        return f"{self.scenario}/{self.store}" + "".join(f"+{f}" for f in self.faults)
 
 
 @dataclass
@@ -105,7 +108,15 @@ def run_plan(plan: Plan, budget: int, seed: int) -> tuple[list[str], int]:
 
     ran = 0
     for strategy, schedules in strategies(budget):
-        res = explore(plan.scenario, strategy=strategy, budget=schedules, seed=seed, store=plan.store)
+        res = explore(
+            plan.scenario,
+            strategy=strategy,
+            budget=schedules,
+            seed=seed,
+            store=plan.store,
+            faults=list(plan.faults),
+            shrink_finds=False,  # a kill needs no shrunk schedule
+        )
         ran += res.schedules
         if res.first_violation_after is not None:
             return res.invariants(), ran

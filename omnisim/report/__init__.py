@@ -21,13 +21,14 @@ def write_check_report(results: list[dict[str, Any]], out_dir: str) -> str:
     lines = [
         "# omnisim check",
         "",
-        "| scenario | strategy | store | schedules | schedules/s | unsatisfied orders | violations |",
-        "|---|---|---|---:|---:|---:|---|",
+        "| scenario | strategy | store | faults | schedules | schedules/s | unsatisfied orders | violations |",
+        "|---|---|---|---|---:|---:|---:|---|",
     ]
     for s in results:
         found = "; ".join(f"{v['invariant']}: {v['message']}" for e in s["violations"] for v in e["violations"][:3])
         lines.append(
-            f"| {s['scenario']} | {s['strategy']} | {s['store']} | {s['schedules']} | {s['schedules_per_s']} "
+            f"| {s['scenario']} | {s['strategy']} | {s['store']} | {', '.join(s.get('faults') or []) or 'none'} "
+            f"| {s['schedules']} | {s['schedules_per_s']} "
             f"| {s['unsatisfied_runs']} | {found or 'none'} |"
         )
     return _write(out_dir, "check", results, lines)
