@@ -88,3 +88,23 @@ def test_every_point_and_note_is_in_the_public_vocabulary() -> None:
             used |= set(re.findall(r"\.(?:point|note)\(\s*\"([a-z_.]+)\"", path.read_text()))
     assert used, "no points found: the pattern is out of date"
     assert sorted(used - set(POINTS)) == []
+
+
+def test_the_adapter_state_locks_are_never_held_across_an_await() -> None:
+    """Spec §3.1: no connector I/O and no processor call while ``_sender_state_lock`` or
+    ``_receiver_state_lock`` is held. On the kernel's one thread that means no await inside a
+    section, so a section can never be interleaved — and is why a mutant that removes one of
+    these locks is reviewed as equivalent (``omnisim/mutation/equivalents.toml``)."""
+    sections = [
+        (path.name, node)
+        for path in sorted((RUNTIME / "transfer").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.AsyncWith) and ast.unparse(node.items[0].context_expr).endswith("_state_lock")
+    ]
+    assert len(sections) >= 10, "the adapter's state sections were not found"
+    awaiting = [
+        f"{name}:{node.lineno}"
+        for name, node in sections
+        if any(isinstance(n, ast.Await | ast.AsyncWith) for stmt in node.body for n in ast.walk(stmt))
+    ]
+    assert not awaiting, f"a state lock is held across an await at {awaiting}"
