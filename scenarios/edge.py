@@ -91,7 +91,7 @@ async def produce_then_finish(req: EdgeRequest, chunk_frames: list[int]) -> None
 async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = True) -> bool:
     """Send one chunk per entry of ``chunk_frames``; the last one is the terminal if ``finish``.
 
-    Returns False as soon as a chunk is refused (the orchestrator then fails the request).
+    Returns False as soon as a chunk is refused.
     """
     offset = 0
     for i, n in enumerate(chunk_frames):
@@ -105,8 +105,10 @@ async def produce(req: EdgeRequest, chunk_frames: list[int], *, finish: bool = T
         req.stream.sent_frames.extend(tuple(frames[:, j].tolist()) for j in range(n))
         accepted = await req.talker.adapter.save_async({"frames": frames}, req.sender)
         if not accepted:
+            # Refused: the producer stops, and — as for the AR scheduler, which never reads the
+            # answer — the orchestrator learns from the failure channel whether that ends the
+            # request (the id's previous generation still draining, #8082 b).
             del req.stream.sent_frames[-n:]
-            await fail(req, "refused by save_async")
             return False
         req.stream.frames_sent += n
         offset += n

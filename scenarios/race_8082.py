@@ -13,6 +13,7 @@ from scenarios.edge import (
     TALKER,
     EdgeRequest,
     abort,
+    check_failures,
     consume,
     edge_scenario,
     produce,
@@ -85,6 +86,7 @@ async def id_reuse_after_cancel(world: World) -> None:
                 await release(new)
                 await release(old)
                 return
+            await check_failures(world)  # the refusal ends this attempt: the channel says why
             await k.sleep(0.01)
         world.probe("liveness", False, "external id R was refused 20 times after its old generation was aborted")
 

@@ -222,6 +222,26 @@ async def test_save_async_is_rejected_while_the_old_generation_drains(
     edge.assert_clean()
 
 
+async def test_a_reused_id_is_refused_out_loud_while_its_previous_terminal_is_queued(store: Store) -> None:
+    """The previous request of R finished (its terminal queued, so no abort cancels its
+    generation) and R is reused at once. The old generation's watermark (32 confirmed tokens)
+    once took the new request's first chunk (4) for a replay and dropped it without a word: the
+    new request waited for a chunk that was never coming. It is refused as draining, on the
+    failure channel."""
+    edge = Edge(store)
+    old = Request("old-talker", "R")
+    await send_chunks(edge.stage1, old, [4, 25, 3], finish=True)  # queued: the save loop is not running
+    new = Request("new-talker", "R")
+    new.num_computed_tokens = 4
+    assert not await edge.stage1.save_async({"frames": codec_frames(4)}, new)
+    assert edge.stage1.collect_failed_send_request_ids() == {"new-talker": DRAINING_REASON}
+    async with edge.running():
+        await settle(lambda: edge.stage1.residue() == {}, "the old terminal is sent and R retires")
+        with trio.fail_after(SETTLE_S):
+            assert await edge.stage1.release_shm_resources("R") == 3  # unread: no reader of R
+    edge.assert_clean()
+
+
 @pytest.mark.parametrize("reregister", [False, True], ids=["cleanup", "cleanup+reregister"])
 async def test_stale_receiver_entry_commits_nothing(
     store: Store, monkeypatch: pytest.MonkeyPatch, reregister: bool

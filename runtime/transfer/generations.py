@@ -18,6 +18,9 @@ class SenderGeneration:
     """The sender state of one generation of an external id (spec §3.2). Compared by identity."""
 
     serial: int
+    #: The stage request it serves: a save of another request of the same external id (the id
+    #: reused while this generation still sends its terminal) is not this generation's.
+    request_id: str = ""
     in_flight: bool = False
     cancelled: bool = False
     terminal_pending: bool = False

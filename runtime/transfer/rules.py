@@ -39,11 +39,14 @@ def is_draining(token: SenderGeneration | None) -> bool:
 
 
 def admit_save(
-    token: SenderGeneration | None, *, is_segment_finished: bool, confirmed: int, watermark: int
+    token: SenderGeneration | None, *, request_id: str, is_segment_finished: bool, confirmed: int, watermark: int
 ) -> Admission:
-    """§3.3 step 5a–c: a draining id refuses new work; then a chunk whose confirmed token count
-    is below the id's watermark is a replay (equal counts pass; a segment end always passes)."""
-    if is_draining(token):
+    """§3.3 step 5a–c: a draining id refuses new work — and so does one whose generation serves
+    another request (the id reused while its previous request's terminal is still queued: its
+    watermark would silently drop the new request's chunks as replays); then a chunk whose
+    confirmed token count is below the id's watermark is a replay (equal counts pass; a segment
+    end always passes)."""
+    if is_draining(token) or (token is not None and token.request_id != request_id):
         return Admission.DRAINING
     if not is_segment_finished and confirmed < watermark:
         return Admission.REPLAY

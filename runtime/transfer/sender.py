@@ -126,7 +126,6 @@ class ChunkSender:
         k = current_kernel()
         self.connector = connector
         self.stage_id = connector.stage_id
-        self.name = name
         self.processor = processor
         self.sends_chunks = sends_chunks
         self._processor_takes_new_ids = processor is not None and _takes_new_token_ids(processor)
@@ -196,6 +195,7 @@ class ChunkSender:
             token = tables.sender_tokens.get(ext)
             admission = rules.admit_save(
                 token,
+                request_id=request.request_id,
                 is_segment_finished=is_segment_finished,
                 confirmed=confirmed,
                 watermark=tables.requests_num_chunks_sent.get(ext, 0),
@@ -206,7 +206,7 @@ class ChunkSender:
             if admission is rules.Admission.ACCEPT:
                 tables.requests_num_chunks_sent[ext] = confirmed
                 if token is None:
-                    token = tables.sender_tokens[ext] = SenderGeneration(next(self._serials))
+                    token = tables.sender_tokens[ext] = SenderGeneration(next(self._serials), request.request_id)
                 self._pending_save_reqs.append(
                     SaveTask(
                         multimodal_output=multimodal_output,
