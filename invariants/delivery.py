@@ -116,6 +116,15 @@ def config_contract(world: ObservedWorld) -> list[str]:
     ]
 
 
+@invariant(
+    "merged-as-spec",
+    "what a Code2Wav receiver merges into a request's input after each chunk is what spec §3.8 makes of the "
+    "chunks it took (checked where a scenario consumes at the edge)",
+)
+def merged_as_spec(world: ObservedWorld) -> list[str]:
+    return [f"{e.attrs['req']} after a commit: {e.attrs['got']}" for e in world.missed_expectations("merge.case")]
+
+
 #: How far (ms) the last word may end from the end of the audio.
 ALIGN_TOLERANCE_MS = 1
 

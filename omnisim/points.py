@@ -86,6 +86,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "world.owner_claimed": ("note", "a live process claimed a namespace (it now owns it) [ns]"),
     "process.killed": ("note", "a simulated process was SIGKILLed: its tasks stop for good [process]"),
     "probe.failed": ("note", "a scenario saw an invariant fail by its own check [invariant, message]"),
+    "merge.case": ("note", "what a receiver merged after a commit, next to what spec §3.8 says [req, ext, got, want]"),
     "config.fact": ("note", "what resolving or validating a config gave, and what spec §1 says [fact, got, want]"),
     "input.case": ("note", "what a bad or boundary input gave, and what it must give [what, got, want]"),
     "serving.timestamps_over_http": ("note", "an HTTP streaming request with word timestamps was judged [accepted]"),

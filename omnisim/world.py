@@ -105,6 +105,9 @@ class World:
         self.requests: list[Any] = []
         #: Further components whose residue() the snapshots include (e.g. a scheduler).
         self.components: dict[str, Any] = {}
+        #: What the scenario watches the runtime through, by name (e.g. a recorder of the chunks
+        #: a connector handed out): never part of a snapshot.
+        self.observers: dict[str, Any] = {}
         #: What runs for the whole run, by name: ``(run, shutdown, process)`` (every stage's loops).
         self.services: dict[str, tuple[Callable[[], Awaitable[None]], Callable[[], None], str]] = {}
         #: The scenario configuration this run explores (see ``omnisim.registry.Param``).

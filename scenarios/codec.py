@@ -30,8 +30,8 @@ from scenarios.edge import (
     EdgeRequest,
     next_chunk,
     release,
-    settle,
     together,
+    watch_code2wav,
     watch_failures,
 )
 
@@ -44,7 +44,7 @@ def codec_world(store_kind: str) -> World:
     world = World(store_kind)
     world.add_stage(TALKER, processor=Talker2Code2WavAsyncChunk(OMNI_CHUNKING), receives=False)
     world.add_stage(CODE2WAV, sends=False)
-    world.settle = functools.partial(settle, world)
+    watch_code2wav(world)
     return world
 
 

@@ -26,7 +26,6 @@ Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,10 +42,11 @@ from scenarios.edge import (
     CONSUMER_WAIT_S,
     TALKER,
     EdgeRequest,
+    MergeWatch,
     check_failures,
     codec_frames,
-    settle,
     synthetic_codec_chunk,
+    watch_code2wav,
 )
 
 #: The invariants of the data plane, on top of the defaults.
@@ -77,7 +77,7 @@ def crash_scenario(
         world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False, own_process=own == TALKER)
         world.add_stage(CODE2WAV, sends=False, own_process=own == CODE2WAV)
         world.inject(faults(run_params or {}))
-        world.settle = functools.partial(settle, world)
+        watch_code2wav(world)
         return world
 
     return scenario(name, build=build, invariants=DATA_PLANE, params=params, **kwargs)
@@ -123,6 +123,7 @@ async def receive(req: EdgeRequest, *, pause_s: float = 0.0) -> float | None:
             await k.sleep(pause_s)
             if req.stream.outcome != "open":
                 break  # ended meanwhile (another consumer's look at the failure channels failed it)
+        merge = MergeWatch(req)
         await adapter.load_async(request)
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
             await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
@@ -135,6 +136,7 @@ async def receive(req: EdgeRequest, *, pause_s: float = 0.0) -> float | None:
                 return None
         if req.stream.outcome != "open":
             break
+        merge.check()
         codes = (request.additional_information or {}).get("codes", {})
         audio = codes.pop("audio", None)
         if isinstance(audio, torch.Tensor) and audio.ndim >= 2:

@@ -19,10 +19,13 @@ from omnisim.registry import ScenarioBody, scenario
 from omnisim.world import Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
+from scenarios.merge import TakenChunks, check_merge
 
 TALKER = 1
 CODE2WAV = 2
 NUM_CODEBOOKS = 16
+#: The observer of the chunks Code2Wav's connector handed out (:class:`TakenChunks`).
+TAKEN = "code2wav.taken"
 #: How long the consumer waits for a chunk before it looks at failures and aborts again.
 CONSUMER_WAIT_S = 0.05
 
@@ -42,7 +45,8 @@ def synthetic_codec_chunk(
     frames = multimodal_output.get("frames")
     if frames is None or frames.shape[1] == 0:
         return None
-    return {"codes": {"audio": frames}, "meta": {"left_context_size": 0}}
+    # ``num_frames``: a plain value next to the dicts, which a receiver's merge overwrites (§3.8).
+    return {"codes": {"audio": frames}, "meta": {"left_context_size": 0}, "num_frames": int(frames.shape[1])}
 
 
 def edge_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], ScenarioBody]:
@@ -55,8 +59,15 @@ def edge_world(store_kind: str) -> World:
     # At this edge the Talker only sends and Code2Wav (the final stage) only receives.
     world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False)
     world.add_stage(CODE2WAV, sends=False)
-    world.settle = functools.partial(settle, world)
+    watch_code2wav(world)
     return world
+
+
+def watch_code2wav(world: World) -> None:
+    """What every world at this edge does besides its stages: record the chunks Code2Wav takes
+    (for the merge check) and settle like an orchestrator by quiescence."""
+    world.observers[TAKEN] = TakenChunks(world, CODE2WAV)
+    world.settle = functools.partial(settle, world)
 
 
 class EdgeRequest:
@@ -122,14 +133,39 @@ async def next_chunk(req: EdgeRequest, *, input_deadline_s: float | None = None)
     adapter = req.code2wav.adapter
     if req.stream.outcome != "open":
         return False
+    merge = MergeWatch(req)
     await adapter.load_async(req.receiver)
     waiting_since = k.now()
-    while req.stream.outcome == "open" and not adapter.pop_ready(req.receiver.request_id):
+    while req.stream.outcome == "open":
+        if adapter.pop_ready(req.receiver.request_id):
+            merge.check()
+            break
         await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
         await check_failures(req.world)
         if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
             await fail(req, f"no chunk for {input_deadline_s}s")
     return req.stream.outcome == "open"
+
+
+class MergeWatch:
+    """Around one wait for a chunk: what the request held before, and the chunks Code2Wav's
+    connector handed out for its id since; :meth:`check` compares the commit with spec §3.8.
+    (Only for an id no other request of the run shares: a reused id's chunks interleave.)"""
+
+    def __init__(self, req: EdgeRequest) -> None:
+        self.req = req
+        taken = req.world.observers.get(TAKEN)
+        shared = any(other is not req and other.ext == req.ext for other in req.world.requests)
+        self.taken: TakenChunks | None = None if shared else taken
+        info = req.receiver.additional_information
+        self.before = None if info is None else {k: dict(v) if isinstance(v, dict) else v for k, v in info.items()}
+        self.count = self.taken.count(req.ext) if self.taken is not None else 0
+
+    def check(self) -> None:
+        if self.taken is not None:
+            receiver = self.req.receiver
+            since = self.taken.since(self.req.ext, self.count)
+            check_merge(receiver.request_id, self.req.ext, self.before, receiver.additional_information, since)
 
 
 async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) -> None:

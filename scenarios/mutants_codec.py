@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -10,8 +11,9 @@ from omnisim.registry import Patch, mutant
 from runtime import serving
 from runtime.models import code2wav
 from runtime.processors import talker2code2wav
+from runtime.request import Request
 from runtime.serving import EmittedSamplesTrim, OutputKind, SamplingParams
-from runtime.transfer import rules
+from runtime.transfer import receiver, rules
 
 
 @mutant(
@@ -96,3 +98,21 @@ def cumulative_without_clone() -> Iterator[Patch]:
 )
 def no_emitted_samples_trim() -> Iterator[Patch]:
     yield Patch(EmittedSamplesTrim, "__call__", lambda self, cumulative: cumulative)
+
+
+@mutant(
+    "generation_merge_replaces_input",
+    summary="a Code2Wav receiver takes each chunk for the request's whole input, as AR mode assigns it, instead of "
+    "merging it into what earlier chunks left (spec §3.8 generation mode)",
+    issue="spec §3.8 (the commit's merge)",
+    scenarios=("codec_chunk_boundaries",),
+    expect=("merged-as-spec",),
+)
+def generation_merge_replaces_input() -> Iterator[Patch]:
+    merge = receiver.merge_generation_chunk
+
+    def merge_into_nothing(request: Request, payload: dict[str, Any], meta: dict[str, Any], *flags: bool) -> bool:
+        request.additional_information = None
+        return merge(request, payload, meta, *flags)
+
+    yield Patch(receiver, "merge_generation_chunk", merge_into_nothing)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from invariants import INVARIANTS, Violation, check
 from invariants.observed import ObservedWorld, TraceEvent
@@ -123,6 +124,33 @@ def test_failures_have_causes_wants_a_fault_or_a_kill_before_a_failure() -> None
     assert INVARIANTS["failures-have-causes"].check(world_of(("process.paused", {"process": "stage1"}), corrupt)) == []
     (message,) = INVARIANTS["failures-have-causes"].check(world_of(corrupt, ("fault", {"kind": "corrupt_bytes"})))
     assert "shm.get.corrupt (key=R_1_0)" in message and "no fault" in message
+
+
+def test_merged_as_spec_names_the_request_and_the_first_difference() -> None:
+    from scenarios.merge import AS_SPEC
+
+    held = world_of(("merge.case", {"req": "R-code2wav", "ext": "R", "got": AS_SPEC, "want": AS_SPEC}))
+    assert INVARIANTS["merged-as-spec"].check(held) == []
+    missed = world_of(
+        ("merge.case", {"req": "R-code2wav", "ext": "R", "got": "meta.finished: missing", "want": AS_SPEC})
+    )
+    assert INVARIANTS["merged-as-spec"].check(missed) == ["R-code2wav after a commit: meta.finished: missing"]
+
+
+def test_the_merge_model_reads_spec_3_8() -> None:
+    from scenarios.merge import first_difference, spec_merge
+
+    two_d, one_d = torch.zeros(16, 2), torch.zeros(3)
+    info = spec_merge({"meta": {"a": 1}, "x": 0}, {"codes": {"audio": one_d}, "meta": {"finished": True, "b": 2}})
+    assert info == {"meta": {"a": 1, "b": 2}, "x": 0, "codes": {}}  # 1-D codes and finished stay out
+    fresh = spec_merge(info, {"codes": {"audio": two_d}, "meta": {"replace_runtime_additional_information": True}})
+    assert set(fresh) == {"codes", "meta"} and fresh["codes"]["audio"] is two_d
+    assert first_difference({"meta": {"a": 1}}, {"meta": {"a": 2}}) == "meta.a: 1, not 2"
+    assert (
+        first_difference({"codes": {"audio": one_d}}, {"codes": {"audio": one_d + 1}})
+        == "codes.audio: a different tensor"
+    )
+    assert first_difference({}, {"meta": {}}) == "meta: missing"
 
 
 def test_a_fault_may_fail_the_request_it_hit_and_no_other() -> None:
