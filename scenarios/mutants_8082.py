@@ -132,7 +132,7 @@ def cleanup_on_separate_queue() -> Iterator[Patch]:
                 await current_kernel().point("mutant.window", ext=ext)
                 await self._run_cleanup_task(task)
 
-            tasks.start_soon(reclaim, name=f"{self.name}.reclaim")
+            tasks.start_soon(reclaim, name=f"stage{self.stage_id}.reclaim")
 
     yield from _lend_a_task_group()
     yield Patch(Sender, "_queue_shm_cleanup_locked", _queue_shm_cleanup_locked)
@@ -158,7 +158,7 @@ def pop_token_before_enqueue() -> Iterator[Patch]:
             self._pending_save_reqs.append(CleanupTask(ext, f"{ext}_{self.stage_id}", token.num_puts, token.serial))
             self._save_cond.notify()
 
-        tasks.start_soon(enqueue_later, name=f"{self.name}.enqueue")
+        tasks.start_soon(enqueue_later, name=f"stage{self.stage_id}.enqueue")
 
     yield from _lend_a_task_group()
     yield Patch(Sender, "_retire_generation_locked", _retire_generation_locked)
@@ -175,7 +175,8 @@ def accept_while_draining() -> Iterator[Patch]:
     admit_save = rules.admit_save
 
     def admit_ignoring_the_drain(token: SenderGeneration | None, **kwargs: Any) -> rules.Admission:
-        return admit_save(None, **kwargs)
+        admission = admit_save(token, **kwargs)
+        return rules.Admission.ACCEPT if admission is rules.Admission.DRAINING else admission
 
     yield Patch(rules, "admit_save", admit_ignoring_the_drain)
 
