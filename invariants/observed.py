@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from runtime.connectors.keys import external_id_of
 from runtime.kernel import Attr
 
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
@@ -150,7 +151,7 @@ class ObservedWorld:
         """The external request ids whose chunk keys (``{id}_{stage}_{chunk}``) an injected
         fault hit."""
         return frozenset(
-            str(e.attrs["key"]).rsplit("_", 2)[0] for e in self.trace if e.name == "fault" and "key" in e.attrs
+            external_id_of(str(e.attrs["key"])) for e in self.trace if e.name == "fault" and "key" in e.attrs
         )
 
     def missed_expectations(self, event: str) -> list[TraceEvent]:

@@ -28,11 +28,12 @@ from scenarios.edge import (
     CODE2WAV,
     TALKER,
     EdgeRequest,
+    failure_watch,
+    finish_everywhere,
     next_chunk,
     release,
     together,
     watch_code2wav,
-    watch_failures,
 )
 
 #: The Qwen3-Omni deploy's chunking (spec §9).
@@ -148,6 +149,8 @@ def code2wav_scheduler(
         return decode_chunks(model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
 
     scheduler = GenerationScheduler(world.stages[CODE2WAV].adapter, run_model, input_wait_timeout_s)
+    for req in reqs:
+        req.scheduler = scheduler
     world.components[name] = scheduler
     return scheduler
 
@@ -196,31 +199,6 @@ async def code2wav_stage(
         )
 
 
-async def end_request(req: EdgeRequest, scheduler: GenerationScheduler, outcome: str) -> None:
-    """The orchestrator ends a request early (``aborted``, ``failed``): both stages drop it,
-    Code2Wav possibly while it is parked waiting for a chunk."""
-    if req.stream.outcome != "open":
-        return  # already ended: ending it again could cancel a newer generation of its id
-    req.stream.outcome = outcome
-    if not req.sender.is_finished():
-        await req.talker.adapter.finish_requests([req.sender])
-    scheduler.request_abort(req.receiver.request_id)
-
-
-def orchestrator_failures(
-    world: World, reqs: list[EdgeRequest], scheduler: GenerationScheduler
-) -> tuple[str, Callable[[], Awaitable[None]]]:
-    """The job that fails a request whose chunk could not be sent or received, as the
-    orchestrator does (Code2Wav's scheduler waits for input up to its deadline, 600 s)."""
-
-    async def fail(req: EdgeRequest, reason: str) -> None:
-        if req.stream.outcome == "open":
-            current_kernel().note("orch.fail", req=req.name, reason=reason)
-        await end_request(req, scheduler, "failed")
-
-    return ("orch.failures", lambda: watch_failures(world, reqs, fail))
-
-
 def note_timestamps(req: str, end_ms: float | None, audio_ms: float) -> None:
     """What a client's word timestamps cover, for ``aligner-complete``: where the last word ends
     (None: no timestamps came), and how long the audio it got lasts."""
@@ -261,14 +239,16 @@ async def code2wav_stream(world: World) -> None:
         # The client disconnects at some point: both stages drop the request, Code2Wav possibly
         # while it is parked waiting for a chunk.
         await current_kernel().point("orch.abort.begin", req=gone.ext)
-        await end_request(gone, scheduler, "aborted")
+        if gone.stream.outcome == "open":
+            gone.stream.outcome = "aborted"
+            await finish_everywhere(gone)
         await current_kernel().point("orch.abort.end", req=gone.ext)
 
     await together(
         *talk_jobs(reqs, lengths),
         ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)),
         ("orch.abort", abort_gone),
-        orchestrator_failures(world, reqs, scheduler),
+        failure_watch(world, reqs),
     )
     for req in reqs:
         await release(req)
@@ -323,7 +303,7 @@ async def streaming_word_timestamps(world: World) -> None:
     await together(
         *talk_jobs(reqs, lengths),
         ("code2wav", lambda: code2wav_stage(world, scheduler, reqs, clients)),
-        orchestrator_failures(world, reqs, scheduler),
+        failure_watch(world, reqs),
     )
     aligner = ForcedAligner()
     for client in clients.values():

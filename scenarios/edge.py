@@ -19,6 +19,7 @@ from omnisim.registry import ScenarioBody, scenario
 from omnisim.world import Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
+from runtime.sched.generation import GenerationScheduler
 from scenarios.merge import TakenChunks, check_merge
 
 TALKER = 1
@@ -81,7 +82,15 @@ class EdgeRequest:
         self.sender = Request(f"{name}-talker", ext)
         self.receiver = Request(f"{name}-code2wav", ext)
         self.stream: Stream = world.stream(self.receiver.request_id, ext)
+        #: Code2Wav's own scheduler, where it (not the scenario) consumes this request: the
+        #: orchestrator ends the request there.
+        self.scheduler: GenerationScheduler | None = None
         world.requests.append(self)
+
+    @property
+    def shares_its_id(self) -> bool:
+        """Whether another request of the run has the same external id (a reuse)."""
+        return any(other is not self and other.ext == self.ext for other in self.world.requests)
 
     @property
     def talker(self) -> Stage:
@@ -154,9 +163,7 @@ class MergeWatch:
 
     def __init__(self, req: EdgeRequest) -> None:
         self.req = req
-        taken = req.world.observers.get(TAKEN)
-        shared = any(other is not req and other.ext == req.ext for other in req.world.requests)
-        self.taken: TakenChunks | None = None if shared else taken
+        self.taken: TakenChunks | None = None if req.shares_its_id else req.world.observers.get(TAKEN)
         info = req.receiver.additional_information
         self.before = None if info is None else {k: dict(v) if isinstance(v, dict) else v for k, v in info.items()}
         self.count = self.taken.count(req.ext) if self.taken is not None else 0
@@ -203,10 +210,14 @@ async def abort(req: EdgeRequest) -> None:
 async def finish_everywhere(req: EdgeRequest) -> None:
     """Finish the request on every stage that still tracks it. The Talker's scheduler stops
     tracking its request once the terminal is queued; from then on only the adapter owns it.
-    (A stage whose process died does nothing more.)"""
+    (A stage whose process died does nothing more.) Where Code2Wav's own scheduler holds the
+    request, it is aborted there, possibly while parked waiting for a chunk."""
     if not req.sender.is_finished() and req.world.alive(req.talker.process):
         await req.talker.adapter.finish_requests([req.sender])
-    await req.code2wav.adapter.finish_requests([req.receiver])
+    if req.scheduler is not None:
+        req.scheduler.request_abort(req.receiver.request_id)
+    else:
+        await req.code2wav.adapter.finish_requests([req.receiver])
 
 
 async def fail(req: EdgeRequest, reason: str) -> None:
@@ -219,7 +230,7 @@ async def fail(req: EdgeRequest, reason: str) -> None:
     await finish_everywhere(req)
 
 
-async def check_failures(world: World, fail: Callable[[EdgeRequest, str], Awaitable[None]] = fail) -> None:
+async def check_failures(world: World) -> None:
     """Drain the send-failure channel of the Talker (while its process lives: a dead one tells
     nothing) and the receive-failure channel of Code2Wav, and ``fail`` every request they name
     (a channel drained for one request holds its neighbours' failures too)."""
@@ -232,16 +243,19 @@ async def check_failures(world: World, fail: Callable[[EdgeRequest, str], Awaita
             await fail(req, reason)
 
 
-async def watch_failures(
-    world: World, reqs: list[EdgeRequest], fail: Callable[[EdgeRequest, str], Awaitable[None]] = fail
-) -> None:
+def failure_watch(world: World, reqs: list[EdgeRequest]) -> tuple[str, Callable[[], Awaitable[None]]]:
     """The orchestrator's side of a consumer that does not look at the failure channels itself
-    (a stage's own scheduler): until every request of ``reqs`` ended, look at them as often as a
-    consumer waiting for a chunk would, and ``fail`` the requests they name (#4855 R1.2)."""
-    k = current_kernel()
-    while any(req.stream.outcome == "open" for req in reqs):
-        await k.sleep(CONSUMER_WAIT_S)
-        await check_failures(world, fail)
+    (Code2Wav's own scheduler, which waits for input up to its 600 s deadline): a job that,
+    until every request of ``reqs`` ended, looks at them as often as a consumer waiting for a
+    chunk would and fails the requests they name (#4855 R1.2)."""
+
+    async def watch() -> None:
+        k = current_kernel()
+        while any(req.stream.outcome == "open" for req in reqs):
+            await k.sleep(CONSUMER_WAIT_S)
+            await check_failures(world)
+
+    return ("orch.failures", watch)
 
 
 async def settle(world: World) -> None:
@@ -251,8 +265,7 @@ async def settle(world: World) -> None:
     leftovers the sweep would hide."""
     await check_failures(world)
     for req in world.requests:
-        reused = any(other is not req and other.ext == req.ext for other in world.requests)
-        if req.stream.outcome == "failed" and not reused and world.alive(req.talker.process):
+        if req.stream.outcome == "failed" and not req.shares_its_id and world.alive(req.talker.process):
             await req.talker.adapter.release_shm_resources(req.ext)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from omnisim.registry import scenario
 from omnisim.world import World
-from scenarios.codec import audio_requests, code2wav_scheduler, code2wav_stage, codec_world, orchestrator_failures, talk
-from scenarios.edge import release, together
+from scenarios.codec import audio_requests, code2wav_scheduler, code2wav_stage, codec_world, talk
+from scenarios.edge import failure_watch, release, together
 
 #: Short enough for a virtual-time run, longer than any gap of the healthy stream (25 frames × 40 ms).
 DEADLINE_S = 2.0
@@ -37,7 +37,7 @@ async def input_wait_deadline(world: World) -> None:
         ("healthy.talk", lambda: talk(healthy, lengths["healthy"], 0, frame_interval_s=FRAME_INTERVAL_S)),
         ("dead.talk", lambda: talk(dead, lengths["dead"], 1, frame_interval_s=FRAME_INTERVAL_S, finish=False)),
         ("code2wav", lambda: code2wav_stage(world, scheduler, reqs)),
-        orchestrator_failures(world, reqs, scheduler),
+        failure_watch(world, reqs),
     )
     # The dead producer's sender still owns its id; the orchestrator finishes it on the error.
     await dead.talker.adapter.finish_requests([dead.sender])
@@ -48,7 +48,7 @@ async def input_wait_deadline(world: World) -> None:
     await together(
         ("undeadlined.talk", lambda: talk(undeadlined, 30, 2, frame_interval_s=FRAME_INTERVAL_S)),
         ("code2wav.no_deadline", lambda: code2wav_stage(world, unlimited, later)),
-        orchestrator_failures(world, later, unlimited),
+        failure_watch(world, later),
     )
     for req in (*reqs, *later):
         await release(req)

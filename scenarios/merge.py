@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from omnisim.world import World
+from runtime.connectors.keys import external_id_of
 from runtime.kernel import current_kernel
 
 AS_SPEC = "as spec §3.8 merges the chunks taken"
@@ -72,7 +73,7 @@ class TakenChunks:
         async def recording_get(*args: Any, **kwargs: Any) -> Any:
             result = await get(*args, **kwargs)
             if result is not None and isinstance(result[0], dict):
-                self.by_ext.setdefault(str(args[2]).rsplit("_", 2)[0], []).append(result[0])
+                self.by_ext.setdefault(external_id_of(str(args[2])), []).append(result[0])
             return result
 
         connector.get = recording_get  # type: ignore[method-assign]

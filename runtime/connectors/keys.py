@@ -46,3 +46,8 @@ def validate_request_id(request_id: object) -> str:
 def chunk_key(external_req_id: str, stage_id: int, chunk_id: int) -> str:
     """The adapter's key for chunk ``chunk_id`` that stage ``stage_id`` sends for a request."""
     return f"{external_req_id}_{stage_id}_{chunk_id}"
+
+
+def external_id_of(key: str) -> str:
+    """The external request id a :func:`chunk_key` was made for (the id may hold ``_`` too)."""
+    return key.rsplit("_", 2)[0]

@@ -20,7 +20,7 @@ class SenderGeneration:
     serial: int
     #: The stage request it serves: a save of another request of the same external id (the id
     #: reused while this generation still sends its terminal) is not this generation's.
-    request_id: str = ""
+    request_id: str
     in_flight: bool = False
     cancelled: bool = False
     terminal_pending: bool = False

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runtime.connectors.base import Connector
-from runtime.connectors.keys import chunk_key
+from runtime.connectors.keys import chunk_key, external_id_of
 from runtime.kernel import current_kernel
 from runtime.request import Request
 from runtime.transfer import rules
@@ -353,7 +353,7 @@ class ChunkSender:
         # The key range is recorded *before* the put: the in-flight key must be reclaimable even
         # if the abort wins while the put runs, or the put raises after creating the segment.
         token.num_puts = chunk_id + 1
-        current_kernel().note("adapter.put", ext=key.rsplit("_", 2)[0], gen=token.serial, key=key)
+        current_kernel().note("adapter.put", ext=external_id_of(key), gen=token.serial, key=key)
         ok, _, metadata = await self.connector.put(str(self.stage_id), str(self.stage_id + 1), key, payload)
         if not ok:
             # A put that reports failure leaves nothing under its key (the connector's contract):
