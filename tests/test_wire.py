@@ -4,6 +4,7 @@ WireDecodeError on malformed input."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import struct
 from typing import Any
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from runtime.connectors.wire import (
     ALIGN,
     COMMIT_MAGIC,
+    HUGE_PAGE_BYTES,
     MAGIC,
     TORCH_DTYPES,
     TRAILER,
@@ -178,6 +180,22 @@ def test_tensor_is_detached_and_copied_out() -> None:
     assert not got.requires_grad
     data[:] = bytes(len(data))  # the decoded tensor does not alias the frame
     assert got.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_large_buffer_decodes_into_memory_of_its_own_that_outlives_the_frame(dtype: torch.dtype) -> None:
+    """From ``HUGE_PAGE_BYTES`` on a buffer is copied into a mapping huge pages may back; the
+    values are the same, the array and tensor own that memory, and neither aliases the frame."""
+    t = sample_tensor(dtype, (3, HUGE_PAGE_BYTES // 3 // dtype.itemsize + 5))
+    a = np.arange(HUGE_PAGE_BYTES // 8 + 1, dtype=np.float64).reshape(1, -1)
+    data = bytearray(encode({"t": t, "a": a}))
+    got = decode(data)
+    data[:] = bytes(len(data))
+    gc.collect()
+    assert_same_tensor(got["t"], t)
+    assert np.array_equal(got["a"], a) and got["a"].dtype == a.dtype
+    got["t"].view(-1)[0] = 1  # writable
+    assert got["t"].clone().shape == t.shape
 
 
 def test_float_specials_are_bit_exact() -> None:
