@@ -47,7 +47,7 @@ def no_residue_after_sweep(world: ObservedWorld) -> list[str]:
         if snap.label != "after sweep":
             continue
         for name, store in snap.stores.items():
-            left = store.segments + store.lock_files + store.rings
+            left = store.segments + store.lock_files + store.rings + store.spares
             if store.owner_dead and left:
                 out.append(f"after the sweep, {name} still holds {', '.join(left[:5])}")
     return out

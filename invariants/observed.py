@@ -75,6 +75,8 @@ class StoreSnapshot:
     #: The store's rings, and ``EDGE:KEY`` of every frame on them that holds a chunk nobody took.
     rings: list[str] = field(default_factory=list)
     ring_frames: list[str] = field(default_factory=list)
+    #: The namespace's spare segments (consumed segments kept for its producer's next puts).
+    spares: list[str] = field(default_factory=list)
 
 
 #: The snapshots taken once the world went idle: everything a request held must be gone there.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from invariants import invariant
 from invariants.observed import ObservedWorld
+from runtime.connectors.namespaces import SPARES_KEPT
 
 
 def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
@@ -20,7 +21,8 @@ def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
 @invariant(
     "no-orphan-shm",
     "no segment of the run's namespace, and no ring frame holding a chunk nobody takes, exists at quiescence or "
-    "after shutdown; no ring outlives its connector",
+    f"after shutdown; a namespace keeps at most {SPARES_KEPT} spare segments; no ring and no spare outlives its "
+    "connector",
 )
 def no_orphan_shm(world: ObservedWorld) -> list[str]:
     out = _store_leftovers(world, "segment")
@@ -31,8 +33,12 @@ def no_orphan_shm(world: ObservedWorld) -> list[str]:
             out.extend(
                 f"ring frame {name} of the {store} store still exists at {snap.label}" for name in contents.ring_frames
             )
+            if len(contents.spares) > SPARES_KEPT:
+                kept = len(contents.spares)
+                out.append(f"the {store} store keeps {kept} spares at {snap.label} (at most {SPARES_KEPT})")
             if snap.label == "shutdown":
                 out.extend(f"ring {name} of the {store} store still exists at shutdown" for name in contents.rings)
+                out.extend(f"spare {name} of the {store} store still exists at shutdown" for name in contents.spares)
     return out
 
 

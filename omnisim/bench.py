@@ -30,6 +30,7 @@ import trio
 from omnisim import registry
 from omnisim.base import CommandFailed, UsageError
 from omnisim.explore import explore
+from runtime.connectors import wire
 from runtime.connectors.posix_store import PosixStore, new_namespace
 from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import ShmConnector
@@ -288,8 +289,6 @@ def bench_connector(labels: list[str], scale: float) -> list[dict[str, Any]]:
 
 def _unchecked(labels: list[str], scale: float) -> list[dict[str, Any]]:
     """The same measurement with no checksum computed or read anywhere."""
-    from runtime.connectors import wire
-
     digest, source_checksum = wire.new_digest, wire.FrameDecoder.checksum
     wire.new_digest = _NoDigest  # type: ignore[assignment]
     wire.FrameDecoder.checksum = lambda self: 0  # type: ignore[method-assign]
@@ -372,13 +371,14 @@ def _page_costs(nbytes: int) -> dict[str, float]:
             os.preadv(kept.fd, [anon], 0)
 
     ways: dict[str, Callable[[], object]] = {
-        "put: fresh segment (reserve + pwrite; today)": fresh_segment,
+        "put: fresh segment (reserve + pwrite)": fresh_segment,
         "put: fresh segment, MAP_POPULATE + copy": lambda: fresh_segment(populate=True),
-        "put: reused segment (pwrite only)": lambda: os.pwrite(kept.fd, data, 0),
-        "get: into a fresh tensor (preadv; today)": lambda: os.preadv(
+        "put: reused segment (pwrite only; a spare)": lambda: os.pwrite(kept.fd, data, 0),
+        "get: into a fresh tensor (preadv)": lambda: os.preadv(
             kept.fd, [memoryview(torch.empty(nbytes // 4).numpy()).cast("B")], 0
         ),
         "get: into MAP_POPULATE'd memory": populated_destination,
+        "get: into huge-page memory (MADV_HUGEPAGE)": lambda: os.preadv(kept.fd, [wire.huge_page_memory(nbytes)], 0),
         "get: into warm memory (preadv only)": lambda: os.preadv(kept.fd, [warm], 0),
         "memcpy": lambda: np.copyto(warm, np.frombuffer(data, np.uint8)),
     }
@@ -441,7 +441,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print("== one ~10 s utterance through the real pipeline (real kernel, /dev/shm, CPU)")
         payload["pipeline"] = bench_pipeline(args.runs, args.processes)
     if args.what == "pages":
-        print("== a large chunk's pages: today's segment path next to its alternatives (median ms)")
+        print("== a large chunk's pages: the ways to put and get it, side by side (median ms)")
         payload["pages"] = bench_pages(["16MiB", "128MiB"])
     if args.what in ("reuse", "all"):
         print("== request latency on fresh and reused ids under a concurrent load (10 % reuse)")

@@ -140,6 +140,17 @@ class ProcessStore:
         self.check()
         return self.store.segment_exists(key)
 
+    def retire_segment(self, key: str) -> bool:
+        self.check()
+        return self.store.retire_segment(key)
+
+    def spares(self) -> list[str]:
+        return self.store.spares()
+
+    def remove_spare(self, name: str) -> bool:
+        self.check()
+        return self.store.remove_spare(name)
+
     def open_lock(self, key: str, *, create: bool) -> LockFile | None:
         self.check()
         lock = self.store.open_lock(key, create=create)

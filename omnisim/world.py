@@ -50,12 +50,14 @@ _made: list[str] = []
 def make_store(kind: str, owner: Owner | None = None) -> Store:
     """A fresh namespace of the given kind; ``owner`` is the simulated process that owns it (a
     POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone)."""
+    # Every consumed segment is kept as a spare (as a large one is in production), so every
+    # scenario runs the spares' hand-back and reuse.
     if kind == "memory":
-        return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner)
+        return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner, spare_min_bytes=0)
     if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
         _made.append(namespace)
-        return PosixStore(namespace, claim=True)
+        return PosixStore(namespace, claim=True, spare_min_bytes=0)
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
 
 
@@ -255,6 +257,9 @@ class World:
         for edge in store.rings():
             store.unlink_ring(edge)
             k.note("sweep.removed", ns=namespace, name=f"ring-{edge}")
+        for name in store.spares():
+            store.remove_spare(name)
+            k.note("sweep.removed", ns=namespace, name=f"spare-{name}")
         self.snapshot("after sweep")
 
     def crash(self, process: str) -> None:
@@ -344,6 +349,7 @@ class World:
                 open_handles=store.open_handles(),
                 rings=store.rings(),
                 ring_frames=unread_frames(store),
+                spares=store.spares(),
             )
             for namespace, (store, process) in self.namespaces.items()
         }
@@ -391,7 +397,7 @@ class _WorldDirectory:
         out = []
         for namespace, (store, _) in sorted(self._world.namespaces.items()):
             names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()]
-            names += [f"ring-{k}" for k in store.rings()] + ["owner"]
+            names += [f"ring-{k}" for k in store.rings()] + [f"spare-{k}" for k in store.spares()] + ["owner"]
             out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, math.inf) for n in names)
         return out
 
@@ -410,3 +416,5 @@ class _WorldDirectory:
             store.remove_lock(key)
         elif kind == "ring":
             store.unlink_ring(key)
+        elif kind == "spare":
+            store.remove_spare(key)

@@ -56,6 +56,10 @@ PRODUCER_NOTICE_S = 1.0
 #: How long a scenario's client waits for its request before it gives up (a hang, for liveness).
 CLIENT_PATIENCE_S = 30.0
 CHUNKS = [4, 25, 10]
+#: ``writer_crash``'s chunks: the one the writer dies in is the size of the one before it, so the
+#: segment it writes into may be that one's, handed back as a spare — byte for byte the same size,
+#: its old commit trailer exactly where the new one goes.
+WRITER_CHUNKS = [25, 25, 10]
 #: How long ``stalled_reader``'s client waits for the new generation: past a put's lock deadline
 #: (10 s), within the run's horizon.
 STALLED_PATIENCE_S = 12.0
@@ -183,7 +187,7 @@ async def writer_crash(world: World) -> None:
     async def consume() -> None:
         failed_at.append(await receive(req))
 
-    await in_process([(MAIN_PROCESS, "R.consume", consume), ("stage1", "R.produce", lambda: send(req, CHUNKS))])
+    await in_process([(MAIN_PROCESS, "R.consume", consume), ("stage1", "R.produce", lambda: send(req, WRITER_CHUNKS))])
     died = world.death_time("stage1")
     if died is not None and failed_at and failed_at[0] is not None:
         world.probe(

@@ -169,3 +169,32 @@ def checksum_covers_padding() -> Iterator[Patch]:
 )
 def wakeup_counts_nothing() -> Iterator[Patch]:
     yield Patch(LocalWakeups, "notify", lambda self, to_stage: None)
+
+
+@mutant(
+    "spare_keeps_its_commit",
+    summary="a spare segment takes a key's name with the commit trailer of the frame it held: a writer killed "
+    "before it wrote a byte leaves an old chunk under the new key, whole",
+    issue="omnisim issue 13 (reusable segments)",
+    scenarios=("writer_crash",),
+    expect=("no-corrupt-accept",),
+)
+def spare_keeps_its_commit() -> Iterator[Patch]:
+    def nothing_zeroed(size: int) -> tuple[int, bytes]:
+        return size, b""
+
+    yield Patch(stores, "uncommitted_tail", nothing_zeroed)
+    yield Patch(posix_store, "uncommitted_tail", nothing_zeroed)
+
+
+@mutant(
+    "spares_outlive_their_producer",
+    summary="a spare segment is never removed, neither by its producer's close nor by a sweep: memory of a "
+    "finished run stays in /dev/shm",
+    issue="omnisim issue 13 (reusable segments)",
+    scenarios=("writer_crash", "abort_during_put"),
+    expect=("no-orphan-shm", "no-residue-after-sweep"),
+)
+def spares_outlive_their_producer() -> Iterator[Patch]:
+    yield Patch(stores.MemoryStore, "remove_spare", lambda self, name: False)
+    yield Patch(posix_store.PosixStore, "remove_spare", lambda self, name: False)

@@ -21,6 +21,7 @@ import trio
 from runtime.connectors import posix_store
 from runtime.connectors.posix_store import SHM_DIR, PosixStore
 from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import SPARE_MIN_BYTES
 from runtime.connectors.wakeup import FifoWakeups
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -133,6 +134,63 @@ def test_consumer_process_takes_keys_and_producer_reap_forgets_them() -> None:
         assert len(producer.residue()["pending_keys"]) == n
         producer.reap_consumed()
         assert producer.residue()["pending_keys"] == []
+        trio.run(producer.close)
+        assert names_of(store.namespace) == []
+    finally:
+        store.sweep()
+
+
+LARGE_CONSUMER = r"""
+import json, sys, trio
+from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.shm import ShmConnector
+
+async def main(upstream, keys):
+    own = PosixStore()
+    conn = ShmConnector(own, stage_id=1, upstream=PosixStore(upstream))
+    out = []
+    for key in keys.split(","):
+        got = await conn.get("0", "1", key)
+        out.append(None if got is None else [float(got[0]["t"][0]), got[0]["t"].numel()])
+    await conn.close()
+    own.sweep()
+    print(json.dumps(out), flush=True)
+
+trio.run(main, sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_consumer_process_hands_large_segments_back_to_its_producer() -> None:
+    """A consumer in another process keeps each large segment it took as a spare of the
+    producer's namespace; the producer's next puts write into those, and what the consumer reads
+    from them is what was put."""
+    store = PosixStore()
+    producer = ShmConnector(store, stage_id=0)
+    n = SPARE_MIN_BYTES // 4 + 16
+
+    async def put_all(first: int) -> None:
+        for i in range(first, first + 3):
+            assert (await producer.put("0", "1", f"R_0_{i}", {"t": torch.full((n + i,), float(i))})).ok
+
+    def consume(first: int) -> list[Any]:
+        child = spawn(LARGE_CONSUMER, store.namespace, ",".join(f"R_0_{i}" for i in range(first, first + 3)))
+        try:
+            out = read_json_line(child)
+            finish(child)
+        finally:
+            reap_child(child)
+        return out
+
+    try:
+        trio.run(put_all, 0)
+        assert store.spares() == []
+        assert consume(0) == [[float(i), n + i] for i in range(3)]
+        assert store.spares() == ["R_0_0", "R_0_1", "R_0_2"] and store.segments() == []
+        inodes = {os.stat(os.path.join(SHM_DIR, f"omnisim-{store.namespace}-spare-{k}")).st_ino for k in store.spares()}
+        trio.run(put_all, 3)
+        assert store.spares() == []
+        assert {os.stat(store.segment_path(f"R_0_{i}")).st_ino for i in range(3, 6)} == inodes
+        assert consume(3) == [[float(i), n + i] for i in range(3, 6)]
         trio.run(producer.close)
         assert names_of(store.namespace) == []
     finally:

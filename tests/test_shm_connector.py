@@ -16,7 +16,7 @@ from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
-from runtime.connectors.stores import MemoryStore, Store
+from runtime.connectors.stores import SPARE_MIN_BYTES, MemoryStore, Store
 from runtime.connectors.wire import BufferIO, EncodedFrame, WireDecodeError, encode
 
 
@@ -488,6 +488,25 @@ async def test_large_payload_round_trip(store: Store) -> None:
     got = await get(conn, "R_0_0")
     assert torch.equal(got["big"], big)
     assert residue(store) == ([], [])
+
+
+async def test_large_payloads_reuse_the_segments_their_consumer_handed_back(store: Store) -> None:
+    """From ``SPARE_MIN_BYTES`` on a consumed segment is kept as a spare of the producer's
+    namespace and the next large put writes into it; the producer's close removes the spares."""
+    own: Store = MemoryStore("consumer") if isinstance(store, MemoryStore) else PosixStore()
+    producer, consumer = ShmConnector(store, stage_id=0), ShmConnector(own, stage_id=1, upstream=store)
+    chunks = [torch.full((SPARE_MIN_BYTES // 4 + i,), float(i)) for i in range(3)]
+    for i, chunk in enumerate(chunks):
+        await put(producer, f"R_0_{i}", {"audio": chunk})
+        assert store.spares() == []  # the put took the spare the previous get left
+        assert torch.equal((await get(consumer, f"R_0_{i}"))["audio"], chunk)
+        assert store.spares() == [f"R_0_{i}"]
+        assert residue(store) == ([], [])
+    await consumer.close()
+    own.sweep()
+    assert store.spares() == ["R_0_2"]  # (the consumer's close leaves its producer's namespace alone)
+    await producer.close()
+    assert store.spares() == []
 
 
 # -- a put racing a get of the same key ------------------------------------------------------

@@ -10,11 +10,23 @@ from collections.abc import Iterator
 import numpy as np
 import posix_ipc
 import pytest
+import torch
 
 from runtime.connectors.keys import MAX_KEY_LENGTH, InvalidKeyError
+from runtime.connectors.namespaces import ShmDirectory
 from runtime.connectors.posix_store import SHM_DIR, PosixStore
-from runtime.connectors.stores import ForeignName, MemoryStore, Segment, Store, StoreError, StoreFull
+from runtime.connectors.stores import (
+    SPARES_KEPT,
+    ForeignName,
+    MemoryStore,
+    Segment,
+    Store,
+    StoreError,
+    StoreFull,
+    choose_spare,
+)
 from runtime.connectors.wakeup import FifoWakeups
+from runtime.connectors.wire import WireDecodeError, decode, encode
 
 
 @pytest.fixture(params=["memory", "posix"])
@@ -456,3 +468,165 @@ def test_every_handle_is_counted_until_it_is_closed(store: Store) -> None:
     assert store.open_handles() == []
     store.unlink_segment("R_1_0")
     store.remove_lock("R_1_0")
+
+
+# -- spares: consumed segments a producer's next put reuses ----------------------------------
+
+SPARE_MIN = 64
+
+
+@pytest.fixture(params=["memory", "posix"])
+def spare_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    s: Store = (
+        MemoryStore(spare_min_bytes=SPARE_MIN) if request.param == "memory" else PosixStore(spare_min_bytes=SPARE_MIN)
+    )
+    yield s
+    s.sweep()
+
+
+def test_choose_spare_takes_the_smallest_that_fits_else_the_largest() -> None:
+    sizes = {"a": 100, "b": 300, "c": 200}
+    assert choose_spare(sizes, 150) == "c"
+    assert choose_spare(sizes, 200) == "c"
+    assert choose_spare(sizes, 400) == "b"
+    assert choose_spare({}, 10) is None
+
+
+def test_a_consumed_segment_becomes_a_spare_the_next_segment_takes(spare_store: Store) -> None:
+    old = bytes(range(200))
+    write_segment(spare_store, "R_1_0", old)
+    assert spare_store.retire_segment("R_1_0")
+    assert spare_store.segments() == [] and spare_store.spares() == ["R_1_0"]
+    new = spare_store.create_segment("R_1_1")
+    new.reserve(200)
+    assert spare_store.spares() == [] and spare_store.segments() == ["R_1_1"]
+    assert new.size == 200
+    new.close()
+    got = read_segment(spare_store, "R_1_1")
+    assert got is not None and len(got) == 200
+    # The old bytes stay where the new frame has not written yet, but never its commit trailer.
+    assert got[:176] == old[:176] and got[176:] == bytes(24)
+
+
+@pytest.mark.parametrize("size", [120, 200, 300])
+def test_a_reused_segment_never_reads_as_a_committed_frame(spare_store: Store, size: int) -> None:
+    """A frame as large as the new one, smaller, or larger: until its writer commits, the
+    segment a spare became reads as uncommitted, whatever the spare held."""
+    frame = encode({"x": torch.arange(20)})
+    write_segment(spare_store, "R_1_0", frame)
+    assert decode(read_segment(spare_store, "R_1_0") or b"")["x"].tolist() == list(range(20))
+    spare_store.retire_segment("R_1_0")
+    segment = spare_store.create_segment("R_1_1")
+    segment.reserve(len(frame) if size == 200 else size)
+    segment.close()
+    assert spare_store.spares() == []
+    with pytest.raises(WireDecodeError, match="uncommitted"):
+        decode(read_segment(spare_store, "R_1_1") or b"")
+
+
+def test_a_spare_grows_with_zeros(spare_store: Store) -> None:
+    write_segment(spare_store, "a", b"\xff" * 100)
+    spare_store.retire_segment("a")
+    write_segment(spare_store, "b", b"\x01" * 300)
+    assert read_segment(spare_store, "b") == b"\x01" * 300
+    assert spare_store.spares() == []
+
+
+def test_small_segments_and_those_past_the_pool_are_removed(spare_store: Store) -> None:
+    write_segment(spare_store, "small", b"x" * (SPARE_MIN - 1))
+    assert spare_store.retire_segment("small")
+    assert spare_store.spares() == [] and spare_store.segments() == []
+    for i in range(SPARES_KEPT + 2):
+        write_segment(spare_store, f"k{i}", b"x" * 100)
+    for i in range(SPARES_KEPT + 2):
+        assert spare_store.retire_segment(f"k{i}")
+    assert spare_store.segments() == []
+    assert spare_store.spares() == [f"k{i}" for i in range(SPARES_KEPT)]
+    assert not spare_store.retire_segment("k0")  # gone already
+
+
+def test_a_spare_is_never_replaced_by_one_of_its_name(spare_store: Store) -> None:
+    write_segment(spare_store, "R_1_0", b"a" * 100)
+    spare_store.retire_segment("R_1_0")
+    spare_store.spare_min_bytes = 1 << 30  # type: ignore[attr-defined]  # (so the next one takes no spare)
+    write_segment(spare_store, "R_1_0", b"b" * 150)  # the id is reused: the same key again
+    spare_store.spare_min_bytes = SPARE_MIN  # type: ignore[attr-defined]
+    assert spare_store.retire_segment("R_1_0")
+    assert spare_store.spares() == ["R_1_0"] and spare_store.segments() == []
+    segment = spare_store.create_segment("next")
+    segment.reserve(100)  # takes the first one, of its size (a replaced spare would be 150 bytes)
+    segment.close()
+    assert (read_segment(spare_store, "next") or b"")[:76] == b"a" * 76
+
+
+def test_a_spare_is_not_renamed_onto_a_key_a_cleanup_removed(spare_store: Store) -> None:
+    """A cleanup between a put's create and its reserve removed the key's new segment: the put
+    writes into nothing, as it did before spares; taking a spare would bring the key back."""
+    write_segment(spare_store, "R_1_0", b"x" * 100)
+    spare_store.retire_segment("R_1_0")
+    segment = spare_store.create_segment("R_1_1")
+    assert spare_store.unlink_segment("R_1_1")
+    segment.reserve(100)
+    segment.write(0, b"y" * 100)
+    segment.close()
+    assert spare_store.segments() == [] and spare_store.spares() == ["R_1_0"]
+
+
+def test_spares_are_swept_and_removed_one_by_one(spare_store: Store) -> None:
+    for key in ("a", "b"):
+        write_segment(spare_store, key, b"x" * 100)
+    for key in ("a", "b"):
+        spare_store.retire_segment(key)
+    assert spare_store.remove_spare("a") and not spare_store.remove_spare("a")
+    removed = spare_store.sweep()
+    assert any(name.endswith("b") for name in removed) and spare_store.spares() == []
+
+
+def test_posix_spare_keeps_its_pages(posix_spares: PosixStore) -> None:
+    write_segment(posix_spares, "R_1_0", b"x" * 4096)
+    inode = os.stat(posix_spares.segment_path("R_1_0")).st_ino
+    posix_spares.retire_segment("R_1_0")
+    write_segment(posix_spares, "R_1_1", b"y" * 4096)
+    assert os.stat(posix_spares.segment_path("R_1_1")).st_ino == inode
+    assert stat.S_IMODE(os.stat(posix_spares.segment_path("R_1_1")).st_mode) == 0o600
+
+
+def test_posix_a_spare_with_two_names_is_not_taken(posix_spares: PosixStore) -> None:
+    """A consumer that died between linking a spare and unlinking the key left one file under two
+    names: writing into it would change the unread chunk. It is taken once the key is gone."""
+    write_segment(posix_spares, "R_1_0", b"x" * 100)
+    os.link(posix_spares.segment_path("R_1_0"), os.path.join(SHM_DIR, f"omnisim-{posix_spares.namespace}-spare-R_1_0"))
+    assert posix_spares.spares() == ["R_1_0"]
+    write_segment(posix_spares, "R_1_1", b"y" * 100)
+    assert posix_spares.spares() == ["R_1_0"] and read_segment(posix_spares, "R_1_0") == b"x" * 100
+    posix_spares.unlink_segment("R_1_0")
+    write_segment(posix_spares, "R_1_2", b"z" * 100)
+    assert posix_spares.spares() == []
+
+
+def test_posix_a_hostile_spare_is_neither_taken_nor_removed(
+    posix_spares: PosixStore, tmp_path: os.PathLike[str]
+) -> None:
+    target = os.path.join(tmp_path, "target")
+    with open(target, "wb") as f:
+        f.write(b"t" * 100)
+    planted = os.path.join(SHM_DIR, f"omnisim-{posix_spares.namespace}-spare-evil")
+    os.symlink(target, planted)
+    try:
+        write_segment(posix_spares, "R_1_0", b"y" * 100)
+        with pytest.raises(ForeignName):
+            posix_spares.remove_spare("evil")
+        assert os.path.islink(planted)
+        with open(target, "rb") as f:
+            assert f.read() == b"t" * 100
+        entries = {e.name: e.ours for e in ShmDirectory().entries() if e.namespace == posix_spares.namespace}
+        assert entries[os.path.basename(planted)] is False
+    finally:
+        os.unlink(planted)
+
+
+@pytest.fixture
+def posix_spares() -> Iterator[PosixStore]:
+    s = PosixStore(spare_min_bytes=SPARE_MIN)
+    yield s
+    s.sweep()

@@ -34,12 +34,16 @@ NAME = re.compile(r"omnisim-([a-z0-9]{1,24})-(.+)")
 OWNER_SUFFIX = "owner"
 #: Names of a namespace without an owner record are left alone until they are this old.
 ORPHAN_GRACE_S = 60.0
+#: The most spare segments (consumed segments kept for the producer's next puts, see
+#: :mod:`runtime.connectors.stores`) a namespace keeps.
+SPARES_KEPT = 4
 #: What the runtime creates under ``omnisim-{namespace}-{kind}…``: the file type and the only mode
 #: it ever creates it with.
 _KINDS = {
     "seg": (stat.S_IFREG, 0o600),
     "lock": (stat.S_IFREG, 0o600),
     "ring": (stat.S_IFREG, 0o600),
+    "spare": (stat.S_IFREG, 0o600),
     OWNER_SUFFIX: (stat.S_IFREG, 0o600),
     "wake": (stat.S_IFDIR, 0o700),
 }

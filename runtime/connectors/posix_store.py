@@ -6,22 +6,28 @@ attributable to the run that made it.
   written before anything else of the namespace exists;
 * segment of key K: ``/dev/shm/omnisim-{ns}-seg-K`` (``shm_open`` name ``/omnisim-{ns}-seg-K``);
 * lock file of key K: ``/dev/shm/omnisim-{ns}-lock-K``;
-* ring of edge E: ``/dev/shm/omnisim-{ns}-ring-E``.
+* ring of edge E: ``/dev/shm/omnisim-{ns}-ring-E``;
+* spare segment (see :mod:`runtime.connectors.stores`): ``/dev/shm/omnisim-{ns}-spare-K``, K the
+  key it carried last; it is made by a link, which never replaces an existing name, so a spare a
+  producer opened is never swapped for another under its name.
 
 Everything is created mode 0600 and only ever opened with ``O_NOFOLLOW``; an existing name that
 is not ours — another user's, another mode, a symlink, a folder — is refused as
 :class:`ForeignName`, never used, followed or removed. A segment is reserved with
 ``posix_fallocate`` before a byte is written, so a full /dev/shm is a clean :class:`StoreFull`;
 and segments are never mapped (they are written with ``pwrite`` and read with ``preadv``), so no
-SIGBUS is possible. A ring is mapped (its control words are read and written per chunk), but only
+SIGBUS is possible; a spare is taken by renaming it onto the key's new segment, never mapped
+either. A ring is mapped (its control words are read and written per chunk), but only
 once ``posix_fallocate`` reserved every page of it: no write to it can fault for want of space.
 Every ``OSError`` becomes a :class:`StoreError` naming the key and the cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -35,12 +41,22 @@ import posix_ipc
 
 from runtime.connectors.keys import InvalidKeyError, validate_key
 from runtime.connectors.namespaces import OWNER_SUFFIX, SHM_DIR, Owner, ShmDirectory, current_owner, write_owner
-from runtime.connectors.stores import ForeignName, OpenHandles, StoreError, StoreFull
+from runtime.connectors.stores import (
+    SPARE_MIN_BYTES,
+    SPARES_KEPT,
+    ForeignName,
+    OpenHandles,
+    StoreError,
+    StoreFull,
+    choose_spare,
+    uncommitted_tail,
+)
 from runtime.connectors.wire import Buffer, WireDecodeError
 
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
 #: The only mode the store creates, and the only one it accepts on a name it opens.
 MODE = 0o600
+log = logging.getLogger(__name__)
 _REFUSED = (errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENXIO)
 
 
@@ -77,10 +93,15 @@ def _translated(what: str, key: str) -> Iterator[None]:
 def _check_ours(fd: int, key: str, kind: str) -> None:
     """An opened name must be a regular file of this user with mode 0600."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != MODE:
+    if not _ours(st):
         raise ForeignName(
             f"the {kind} of {key!r} is not ours (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): refused"
         )
+
+
+def _ours(st: os.stat_result) -> bool:
+    """A regular file of this user with mode 0600: what the store makes, and all it touches."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == MODE
 
 
 def _is_ours(path: str, what: str) -> bool:
@@ -89,9 +110,19 @@ def _is_ours(path: str, what: str) -> bool:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != MODE:
+    if not _ours(st):
         raise ForeignName(f"cannot create {what}: its name is taken by something that is not ours")
     return True
+
+
+def _names_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _try_flock(fd: int) -> bool:
@@ -107,13 +138,28 @@ class _PosixSegment:
     """A segment used through its file descriptor: ``pwrite`` and ``preadv`` copy straight
     between the segment's pages and the caller's memory, with no mapping to fault in."""
 
-    def __init__(self, key: str, fd: int, size: int, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        key: str,
+        fd: int,
+        size: int,
+        on_close: Callable[[], None],
+        take_spare: Callable[[int, int], int | None] | None = None,
+    ) -> None:
+        """``take_spare(fd, size)``: a new segment's way to a spare (see :meth:`PosixStore._take_spare`)."""
         self._key = key
         self._fd = fd
         self.size = size
         self._on_close = on_close
+        self._take_spare = take_spare
 
     def reserve(self, size: int) -> None:
+        spare = self._take_spare(self._fd, size) if self._take_spare is not None else None
+        if spare is not None:
+            os.close(self._fd)  # the empty segment it replaced under the key's name
+            self._fd = spare
+            self.size = size
+            return
         try:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as e:
@@ -159,11 +205,9 @@ class _PosixLock:
     def is_current(self) -> bool:
         assert self._fd is not None
         try:
-            named = os.stat(self._path, follow_symlinks=False)
+            return _names_file(self._path, self._fd)
         except OSError:
             return False
-        mine = os.fstat(self._fd)
-        return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
     def try_acquire(self) -> bool:
         assert self._fd is not None
@@ -240,7 +284,14 @@ class PosixStore:
     unless ``claim`` says it is this process's to own (a stage process given its namespace).
     """
 
-    def __init__(self, namespace: str | None = None, *, claim: bool | None = None, owner: Owner | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        claim: bool | None = None,
+        owner: Owner | None = None,
+        spare_min_bytes: int = SPARE_MIN_BYTES,
+    ) -> None:
         claim = namespace is None if claim is None else claim
         namespace = namespace or new_namespace()
         if not NAMESPACE_PATTERN.fullmatch(namespace):
@@ -250,6 +301,8 @@ class PosixStore:
         self._seg_prefix = f"{self._stem}seg-"
         self._lock_prefix = f"{self._stem}lock-"
         self._ring_prefix = f"{self._stem}ring-"
+        self._spare_prefix = f"{self._stem}spare-"
+        self.spare_min_bytes = spare_min_bytes
         self.owner_path = os.path.join(SHM_DIR, f"{self._stem}{OWNER_SUFFIX}")
         self.handles = OpenHandles()
         if claim:
@@ -275,7 +328,54 @@ class PosixStore:
             except posix_ipc.ExistentialError:
                 self._unlink_own_segment(key)  # put replaces unread data of ours under the same key
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-        return _PosixSegment(key, shm.fd, 0, self.handles.opened(f"segment {key}"))
+        return _PosixSegment(
+            key, shm.fd, 0, self.handles.opened(f"segment {key}"), lambda fd, size: self._take_spare(key, fd, size)
+        )
+
+    def _take_spare(self, key: str, created: int, size: int) -> int | None:
+        """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
+        all backed, its commit trailer zeroed, then renamed onto the key's name; its descriptor.
+        None if there is no spare to take, or the new segment lost its name meanwhile (a cleanup
+        removed it: the put writes into nothing, as it would have)."""
+        if size < self.spare_min_bytes:
+            return None
+        sizes = {}
+        for name in self.spares():
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(self._spare_path(name))
+                if _ours(st) and st.st_nlink == 1:  # (two names: its consumer died handing it back)
+                    sizes[name] = st.st_size
+        name = choose_spare(sizes, size)
+        if name is None or not _names_file(self.segment_path(key), created):
+            return None
+        # Only this process renames or removes a spare of its namespace, and no one replaces one:
+        # the name opened here is the one renamed below.
+        with _translated("reuse a spare for segment", key):
+            try:
+                fd = os.open(self._spare_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+        try:
+            _check_ours(fd, key, "spare segment")
+            held = sizes[name]
+            if size != held:
+                os.ftruncate(fd, size)
+            if size > held:  # the pages up to its old size exist: only the new ones are reserved
+                os.posix_fallocate(fd, held, size - held)
+            at, zeros = uncommitted_tail(size)
+            os.pwrite(fd, zeros, at)
+            os.rename(self._spare_path(name), self.segment_path(key))
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
+                raise StoreFull(key, size) from None
+            if isinstance(e, OSError):
+                raise _store_error("reuse a spare for segment", key, e) from None
+            raise
+        return fd
+
+    def _spare_path(self, name: str) -> str:
+        return os.path.join(SHM_DIR, self._spare_prefix + name)
 
     def _unlink_own_segment(self, key: str) -> None:
         if _is_ours(self.segment_path(key), f"segment {key!r}"):
@@ -306,6 +406,38 @@ class PosixStore:
 
     def segment_exists(self, key: str) -> bool:
         return os.path.lexists(self.segment_path(key))
+
+    def retire_segment(self, key: str) -> bool:
+        # The caller holds the key's lock file, so no writer can give the name a new segment
+        # meanwhile: until it is unlinked it names the segment the caller took, or nothing.
+        path = self.segment_path(key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _store_error("remove segment", key, e) from None
+        if _ours(st) and st.st_size >= self.spare_min_bytes and len(self.spares()) < SPARES_KEPT:
+            # A link never replaces an existing spare (its producer may be taking it); a death
+            # before the unlink below leaves two names on one file, which no put takes as a spare.
+            with _translated("keep as a spare", key), contextlib.suppress(FileExistsError, FileNotFoundError):
+                os.link(path, self._spare_path(key), follow_symlinks=False)
+        return self.unlink_segment(key)
+
+    def spares(self) -> list[str]:
+        return self._listed(self._spare_prefix)
+
+    def remove_spare(self, name: str) -> bool:
+        path = self._spare_path(name)
+        try:
+            if not _is_ours(path, f"spare {name!r}"):
+                return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _store_error("remove the spare", name, e) from None
+        return True
 
     def open_lock(self, key: str, *, create: bool) -> _PosixLock | None:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)

@@ -4,15 +4,16 @@ Who creates and who removes:
 
 * the writer (``put``) takes the key's lock file, creates the segment, reserves it, writes the
   frame and **commits it last** (the frame's trailer), then releases the lock; the lock file stays;
-* the reader (``get``) takes the lock without blocking, copies the payload out, unlinks the
-  segment, and removes the lock file whenever it consumed the bytes, **whether or not they
+* the reader (``get``) takes the lock without blocking, copies the payload out, takes the
+  segment's name away (a large one is kept as a spare whose pages the producer's next put reuses,
+  see :mod:`runtime.connectors.stores`), and removes the lock file whenever it consumed the bytes, **whether or not they
   decoded** (#8082 / #4414); bytes that are not a committed, intact frame — a writer killed
   mid-write, a zero-length or truncated segment, corrupt bytes — are a :class:`CorruptChunk`,
   never "not arrived yet";
 * ``cleanup(key)`` removes exactly ``key`` (never a prefix) on the abort path;
 * ``reap_consumed`` forgets, in bounded rotating sweeps, keys a consumer in another process took
   (and the lock file such a consumer may have left if it died before removing it);
-* ``close`` removes every key this connector still tracks.
+* ``close`` removes every key this connector still tracks, and the spares of its namespace.
 
 With a ring (``send_ring``), a payload up to a fraction of the ring goes on the edge's ring
 (:mod:`runtime.connectors.ring`) instead of a segment of its own, by the same steps: a frame
@@ -489,7 +490,7 @@ class ShmConnector:
         finally:
             segment.close()
         try:
-            self.upstream.unlink_segment(key)
+            self.upstream.retire_segment(key)
         except StoreError as e:
             log.warning("could not remove the consumed segment %s: %s", key, e)
         try:
@@ -677,6 +678,11 @@ class ShmConnector:
         self._closed = True
         for key in list(self._pending_keys):
             await self.cleanup(key)
+        for name in self.store.spares():
+            try:
+                self.store.remove_spare(name)
+            except StoreError as e:
+                log.warning("could not remove the spare segment %s: %s", name, e)
         for edge, ring in self._send_rings.items():
             ring.retire()  # a reader still mapping it lets go (a successor may make one of that name)
             ring.close()

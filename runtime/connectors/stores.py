@@ -7,6 +7,15 @@ to a namespace whose owner is recorded. :class:`PosixStore
 lock files under /dev/shm); :class:`MemoryStore` keeps the same semantics in dictionaries, so a
 simulated run explores thousands of schedules a second without touching the OS.
 
+A segment a consumer took does not have to die with its name: :meth:`Store.retire_segment` keeps
+a large one as a *spare* of its namespace, and the producer's next put of about that size takes
+it instead of a fresh one, so the put writes into pages that already exist instead of paying for
+new ones (a third of a fresh segment's time; ``omnisim bench pages``). A spare is a name of the
+producer's namespace like any other — at most :data:`SPARES_KEPT` of them, removed by the
+producer's ``close`` and by a sweep of its namespace — and it never looks like a chunk: before it
+takes a key's name its commit trailer is zeroed, so a writer that dies after the rename leaves an
+uncommitted frame, never the frame the spare held before.
+
 Every failure of the file system is a :class:`StoreError` (never a raw ``OSError``): a full store
 is :class:`StoreFull`, a name that is not ours (another user's, a symlink, the wrong kind of file)
 is :class:`ForeignName`.
@@ -16,12 +25,33 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
-from runtime.connectors.namespaces import Owner
-from runtime.connectors.wire import Buffer, BufferIO, FrameIO
+from runtime.connectors.namespaces import SPARES_KEPT, Owner
+from runtime.connectors.wire import TRAILER, Buffer, BufferIO, FrameIO
+
+#: Segments from this size on are kept as spares once consumed (a smaller one is cheap to make).
+SPARE_MIN_BYTES = 1 << 20
+
+
+def choose_spare(sizes: dict[str, int], size: int) -> str | None:
+    """The spare a segment of ``size`` bytes takes: the smallest that holds it (its extra pages
+    are given back), else the largest (the fewest new pages to add); None if there is none."""
+    if not sizes:
+        return None
+    fitting = [name for name, n in sizes.items() if n >= size]
+    if fitting:
+        return min(fitting, key=lambda name: (sizes[name], name))
+    return max(sizes, key=lambda name: (sizes[name], name))
+
+
+def uncommitted_tail(size: int) -> tuple[int, bytes]:
+    """Where a reused segment of ``size`` bytes gets zeros before it takes a key's name, and the
+    zeros: its commit trailer, so it reads as uncommitted until its writer commits the new frame."""
+    return max(0, size - TRAILER.size), bytes(min(size, TRAILER.size))
 
 
 class StoreError(Exception):
@@ -45,7 +75,8 @@ class Segment(FrameIO, Protocol):
     """An open segment: positional writes (a created one) and reads (an opened one)."""
 
     def reserve(self, size: int) -> None:
-        """Give a new segment exactly ``size`` bytes, all backed now (StoreFull if they are not)."""
+        """Give a new segment exactly ``size`` bytes, all backed now (StoreFull if they are not):
+        a spare's when one is there (its stale commit trailer zeroed), else fresh ones."""
         ...
 
     def close(self) -> None: ...
@@ -101,6 +132,20 @@ class Store(Protocol):
 
     def unlink_segment(self, key: str) -> bool:
         """Remove segment ``key``; True only if this call removed it."""
+        ...
+
+    def retire_segment(self, key: str) -> bool:
+        """A consumer took segment ``key``'s bytes and holds its lock file: the name goes, and
+        the segment is kept as a spare if it is large enough and the namespace has room for one
+        (removed otherwise). True only if this call took the name away."""
+        ...
+
+    def spares(self) -> list[str]:
+        """Names of this namespace's spare segments (each the key it carried last), sorted."""
+        ...
+
+    def remove_spare(self, name: str) -> bool:
+        """Remove the spare ``name``; True only if this call removed it."""
         ...
 
     def segment_exists(self, key: str) -> bool: ...
@@ -226,10 +271,14 @@ class _MemSegment(_MemReader):
         self._data = data
 
     def reserve(self, size: int) -> None:
-        if self._store.capacity is not None and self._store.used() + size > self._store.capacity:
+        spare = self._store._take_spare(self._key, self._data, size)
+        if spare is None and self._store.capacity is not None and self._store.used() + size > self._store.capacity:
             raise StoreFull(self._key, size)
         self._view.release()  # a bytearray cannot grow while a view of it is held
-        self._data.extend(bytes(size))
+        if spare is None:
+            self._data.extend(bytes(size))
+        else:
+            self._data = spare
         self._view = memoryview(self._data).cast("B")
 
 
@@ -283,17 +332,28 @@ class MemoryStore:
     ``flock`` on an unlinked inode; a new lock file of the same name is a new lock.
     """
 
-    def __init__(self, namespace: str = "mem", capacity: int | None = None, owner: Owner | None = None) -> None:
+    def __init__(
+        self,
+        namespace: str = "mem",
+        capacity: int | None = None,
+        owner: Owner | None = None,
+        *,
+        spare_min_bytes: int = SPARE_MIN_BYTES,
+    ) -> None:
         self.namespace = namespace
         self.capacity = capacity
+        self.spare_min_bytes = spare_min_bytes
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
+        #: Spares by name: the key each carried last.
+        self._spares: dict[str, bytearray] = {}
         self._locks: dict[str, _LockInode] = {}
         self._rings: dict[str, _RingInode] = {}
         self.handles = OpenHandles()
 
     def used(self) -> int:
-        return sum(len(b) for b in self._segments.values()) + sum(len(r.data) for r in self._rings.values())
+        held = itertools.chain(self._segments.values(), self._spares.values(), (r.data for r in self._rings.values()))
+        return sum(len(b) for b in held)
 
     def create_segment(self, key: str) -> _MemSegment:
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
@@ -310,6 +370,41 @@ class MemoryStore:
 
     def segment_exists(self, key: str) -> bool:
         return key in self._segments
+
+    def retire_segment(self, key: str) -> bool:
+        data = self._segments.pop(key, None)
+        if data is None:
+            return False
+        if len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT:
+            self._spares.setdefault(key, data)  # (a link: it never replaces a spare of that name)
+        return True
+
+    def _take_spare(self, key: str, created: bytearray, size: int) -> bytearray | None:
+        """What :meth:`PosixStore.reserve <runtime.connectors.posix_store.PosixStore>` does with a
+        spare: resize it, zero its commit trailer, rename it onto ``key``'s new segment ``created``
+        — unless that segment lost its name meanwhile (a cleanup: the put then writes into
+        nothing, as it would have). The spare's old bytes stay where the new frame does not
+        overwrite them, as in a real segment."""
+        if size < self.spare_min_bytes or self._segments.get(key) is not created:
+            return None
+        name = choose_spare({n: len(d) for n, d in self._spares.items()}, size)
+        if name is None:
+            return None
+        old = self._spares[name]
+        if self.capacity is not None and self.used() + size - len(old) > self.capacity:
+            raise StoreFull(key, size)
+        data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
+        at, zeros = uncommitted_tail(size)
+        data[at : at + len(zeros)] = zeros
+        del self._spares[name]
+        self._segments[key] = data
+        return data
+
+    def spares(self) -> list[str]:
+        return sorted(self._spares)
+
+    def remove_spare(self, name: str) -> bool:
+        return self._spares.pop(name, None) is not None
 
     def open_lock(self, key: str, *, create: bool) -> _MemLock | None:
         inode = self._locks.get(key)
@@ -353,8 +448,9 @@ class MemoryStore:
 
     def sweep(self) -> list[str]:
         removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
-        removed += [f"ring {k}" for k in self.rings()]
+        removed += [f"ring {k}" for k in self.rings()] + [f"spare {k}" for k in self.spares()]
         self._segments.clear()
+        self._spares.clear()
         self._locks.clear()
         self._rings.clear()
         if self._owner is not None:
