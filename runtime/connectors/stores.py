@@ -380,11 +380,11 @@ class MemoryStore:
         return True
 
     def _take_spare(self, key: str, created: bytearray, size: int) -> bytearray | None:
-        """What :meth:`PosixStore.reserve <runtime.connectors.posix_store.PosixStore>` does with a
-        spare: resize it, zero its commit trailer, rename it onto ``key``'s new segment ``created``
-        — unless that segment lost its name meanwhile (a cleanup: the put then writes into
-        nothing, as it would have). The spare's old bytes stay where the new frame does not
-        overwrite them, as in a real segment."""
+        """What a reserve does with a spare in /dev/shm (see ``PosixStore._take_spare``): resize
+        it, zero its commit trailer, rename it onto ``key``'s new segment ``created`` — unless
+        that segment lost its name meanwhile (a cleanup: the put then writes into nothing, as it
+        would have). The spare's old bytes stay where the new frame does not overwrite them, as
+        in a real segment."""
         if size < self.spare_min_bytes or self._segments.get(key) is not created:
             return None
         name = choose_spare({n: len(d) for n, d in self._spares.items()}, size)
