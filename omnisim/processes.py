@@ -106,6 +106,10 @@ class ProcessStore:
         #: Every segment and ring this process opened: the kernel closes them when it dies.
         self.segments_opened: list[Segment | RingMemory] = []
 
+    @property
+    def spare_min_bytes(self) -> int:
+        return self.store.spare_min_bytes
+
     def check(self) -> None:
         if self.dead:
             raise ProcessDied(f"process {self.process.pid} is dead")

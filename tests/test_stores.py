@@ -548,9 +548,9 @@ def test_small_segments_and_those_past_the_pool_are_removed(spare_store: Store) 
 def test_a_spare_is_never_replaced_by_one_of_its_name(spare_store: Store) -> None:
     write_segment(spare_store, "R_1_0", b"a" * 100)
     spare_store.retire_segment("R_1_0")
-    spare_store.spare_min_bytes = 1 << 30  # type: ignore[attr-defined]  # (so the next one takes no spare)
+    spare_store.spare_min_bytes = 1 << 30  # (so the next one takes no spare)
     write_segment(spare_store, "R_1_0", b"b" * 150)  # the id is reused: the same key again
-    spare_store.spare_min_bytes = SPARE_MIN  # type: ignore[attr-defined]
+    spare_store.spare_min_bytes = SPARE_MIN
     assert spare_store.retire_segment("R_1_0")
     assert spare_store.spares() == ["R_1_0"] and spare_store.segments() == []
     segment = spare_store.create_segment("next")

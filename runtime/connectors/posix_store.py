@@ -74,6 +74,13 @@ def _store_error(what: str, key: str, e: OSError) -> StoreError:
     return StoreError(f"cannot {what} {key!r}: {e.strerror or e}")
 
 
+def _reservation_error(what: str, key: str, size: int, e: OSError) -> StoreError:
+    """A reservation of ``size`` bytes that failed: :class:`StoreFull` when the space ran out."""
+    if e.errno in (errno.ENOSPC, errno.EFBIG):
+        return StoreFull(key, size)
+    return _store_error(what, key, e)
+
+
 @contextmanager
 def _translated(what: str, key: str) -> Iterator[None]:
     try:
@@ -367,10 +374,8 @@ class PosixStore:
             os.rename(self._spare_path(name), self.segment_path(key))
         except BaseException as e:
             os.close(fd)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
-                raise StoreFull(key, size) from None
             if isinstance(e, OSError):
-                raise _store_error("reuse a spare for segment", key, e) from None
+                raise _reservation_error("reuse a spare for segment", key, size, e) from None
             raise
         return fd
 
@@ -479,10 +484,8 @@ class PosixStore:
         except BaseException as e:
             os.close(shm.fd)
             self.unlink_ring(edge)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
-                raise StoreFull(edge, capacity) from None
             if isinstance(e, OSError):
-                raise _store_error("reserve ring", edge, e) from None
+                raise _reservation_error("reserve ring", edge, capacity, e) from None
             raise
 
     def open_ring(self, edge: str) -> _PosixRing | None:

@@ -5,11 +5,11 @@ Who creates and who removes:
 * the writer (``put``) takes the key's lock file, creates the segment, reserves it, writes the
   frame and **commits it last** (the frame's trailer), then releases the lock; the lock file stays;
 * the reader (``get``) takes the lock without blocking, copies the payload out, takes the
-  segment's name away (a large one is kept as a spare whose pages the producer's next put reuses,
-  see :mod:`runtime.connectors.stores`), and removes the lock file whenever it consumed the bytes, **whether or not they
-  decoded** (#8082 / #4414); bytes that are not a committed, intact frame — a writer killed
-  mid-write, a zero-length or truncated segment, corrupt bytes — are a :class:`CorruptChunk`,
-  never "not arrived yet";
+  segment's name away (a large one is kept as a spare whose pages the producer's next put
+  reuses, see :mod:`runtime.connectors.stores`), and removes the lock file whenever it consumed
+  the bytes, **whether or not they decoded** (#8082 / #4414); bytes that are not a committed,
+  intact frame — a writer killed mid-write, a zero-length or truncated segment, corrupt bytes —
+  are a :class:`CorruptChunk`, never "not arrived yet";
 * ``cleanup(key)`` removes exactly ``key`` (never a prefix) on the abort path;
 * ``reap_consumed`` forgets, in bounded rotating sweeps, keys a consumer in another process took
   (and the lock file such a consumer may have left if it died before removing it);

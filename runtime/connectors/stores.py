@@ -121,6 +121,8 @@ class RingMemory(Protocol):
 
 class Store(Protocol):
     namespace: str
+    #: Consumed segments of at least this many bytes are kept as spares.
+    spare_min_bytes: int
 
     def create_segment(self, key: str) -> Segment:
         """Create segment ``key``, empty, replacing one of ours of the same name."""
