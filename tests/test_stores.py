@@ -630,3 +630,40 @@ def posix_spares() -> Iterator[PosixStore]:
     s = PosixStore(spare_min_bytes=SPARE_MIN)
     yield s
     s.sweep()
+
+
+def test_spares_give_way_to_a_segment_that_would_not_fit_beside_them() -> None:
+    store = MemoryStore(capacity=1000, spare_min_bytes=SPARE_MIN)
+    for key in ("a", "b"):
+        write_segment(store, key, b"x" * 400)
+    for key in ("a", "b"):
+        store.retire_segment(key)
+    assert store.spares() == ["a", "b"]
+    write_segment(store, "small", b"y" * (SPARE_MIN - 1))  # too small to take a spare: fits beside them
+    assert store.spares() == ["a", "b"]
+    store.spare_min_bytes = 1 << 30  # no spare is taken: the new segment needs room of its own
+    write_segment(store, "big", b"z" * 600)
+    assert store.spares() == [] and read_segment(store, "big") == b"z" * 600
+    with pytest.raises(StoreFull):
+        write_segment(store, "too_big", b"z" * 600)
+
+
+def test_posix_spares_give_way_to_a_full_dev_shm(posix_spares: PosixStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_segment(posix_spares, "a", b"x" * 100)
+    posix_spares.retire_segment("a")
+    real = os.posix_fallocate
+    full = {"left": 1}
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if full["left"]:
+            full["left"] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    write_segment(posix_spares, "small", b"y" * 10)  # below the spare size: ENOSPC once, then room
+    assert posix_spares.spares() == [] and read_segment(posix_spares, "small") == b"y" * 10
+    full["left"] = 1
+    with pytest.raises(StoreFull):  # no spare left to give way
+        write_segment(posix_spares, "next", b"y" * 10)
+    assert posix_spares.segments() == ["next", "small"]  # (a failed put's rollback is the connector's)

@@ -151,17 +151,17 @@ class _PosixSegment:
         fd: int,
         size: int,
         on_close: Callable[[], None],
-        take_spare: Callable[[int, int], int | None] | None = None,
+        store: PosixStore | None = None,
     ) -> None:
-        """``take_spare(fd, size)``: a new segment's way to a spare (see :meth:`PosixStore._take_spare`)."""
+        """``store``: where a new segment finds spares (none for an opened one)."""
         self._key = key
         self._fd = fd
         self.size = size
         self._on_close = on_close
-        self._take_spare = take_spare
+        self._store = store
 
     def reserve(self, size: int) -> None:
-        spare = self._take_spare(self._fd, size) if self._take_spare is not None else None
+        spare = self._store._take_spare(self._key, self._fd, size) if self._store is not None else None
         if spare is not None:
             os.close(self._fd)  # the empty segment it replaced under the key's name
             self._fd = spare
@@ -170,6 +170,8 @@ class _PosixSegment:
         try:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as e:
+            if e.errno == errno.ENOSPC and self._store is not None and self._store._drop_spares():
+                return self.reserve(size)  # the spares gave way: once more, without them
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 raise StoreFull(self._key, size) from e
             raise StoreError(f"cannot reserve {size} bytes for segment {self._key!r}: {e.strerror}") from e
@@ -335,9 +337,7 @@ class PosixStore:
             except posix_ipc.ExistentialError:
                 self._unlink_own_segment(key)  # put replaces unread data of ours under the same key
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-        return _PosixSegment(
-            key, shm.fd, 0, self.handles.opened(f"segment {key}"), lambda fd, size: self._take_spare(key, fd, size)
-        )
+        return _PosixSegment(key, shm.fd, 0, self.handles.opened(f"segment {key}"), self)
 
     def _take_spare(self, key: str, created: int, size: int) -> int | None:
         """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
@@ -378,6 +378,14 @@ class PosixStore:
                 raise _reservation_error("reuse a spare for segment", key, size, e) from None
             raise
         return fd
+
+    def _drop_spares(self) -> int:
+        """Remove every spare of the namespace (a full /dev/shm: a cache gives way); how many."""
+        dropped = 0
+        for name in self.spares():
+            with contextlib.suppress(StoreError):
+                dropped += self.remove_spare(name)
+        return dropped
 
     def _spare_path(self, name: str) -> str:
         return os.path.join(SHM_DIR, self._spare_prefix + name)

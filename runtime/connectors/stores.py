@@ -274,7 +274,7 @@ class _MemSegment(_MemReader):
 
     def reserve(self, size: int) -> None:
         spare = self._store._take_spare(self._key, self._data, size)
-        if spare is None and self._store.capacity is not None and self._store.used() + size > self._store.capacity:
+        if spare is None and not self._store._make_room(size):
             raise StoreFull(self._key, size)
         self._view.release()  # a bytearray cannot grow while a view of it is held
         if spare is None:
@@ -401,6 +401,14 @@ class MemoryStore:
         del self._spares[name]
         self._segments[key] = data
         return data
+
+    def _make_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit, once the spares gave way if they must (as a full
+        /dev/shm makes them)."""
+        if self.capacity is None or self.used() + size <= self.capacity:
+            return True
+        self._spares.clear()
+        return self.used() + size <= self.capacity
 
     def spares(self) -> list[str]:
         return sorted(self._spares)
