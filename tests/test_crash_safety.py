@@ -116,6 +116,38 @@ def test_a_killed_producer_never_hands_a_consumer_wrong_bytes() -> None:
     assert totals["accepted"] > 0
 
 
+class _AllDead(ProcTable):
+    """A process table in which no process lives (so every namespace is a dead owner's)."""
+
+    def identity(self, pid: int) -> None:
+        return None
+
+
+@pytest.mark.parametrize("how", ["operator sweep", "store sweep"])
+def test_a_sweep_removes_the_spare_a_live_consumer_hands_back_while_it_runs(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer still reading a dead producer's segment hands it back as a spare, a name made
+    after the sweep listed the namespace: its second look removes it."""
+    store = PosixStore(spare_min_bytes=64)
+    segment = store.create_segment("K_1_0")
+    segment.reserve(100)
+    segment.close()
+    real_remove = ShmDirectory.remove
+
+    def remove(self: ShmDirectory, name: str) -> None:
+        if name.endswith("-seg-K_1_0"):
+            store.retire_segment("K_1_0")  # the consumer, between the sweep's look and this removal
+        real_remove(self, name)
+
+    monkeypatch.setattr(ShmDirectory, "remove", remove)
+    if how == "operator sweep":
+        trio.run(lambda: sweep(ShmDirectory(time.time), _AllDead()))
+    else:
+        store.sweep()
+    assert _names(store.namespace) == []
+
+
 def test_sweep_reclaims_a_killed_process_and_spares_a_live_one() -> None:
     live = PosixStore()
     try:

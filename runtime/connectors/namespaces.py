@@ -257,18 +257,35 @@ async def sweep(
             getattr(report, verdict).append(namespace)
             continue
         # The owner record goes last: a sweep stopped half-way is finished by the next one.
-        for entry in sorted(entries, key=lambda e: e.name.endswith(f"-{OWNER_SUFFIX}")):
-            if not dry_run:
-                try:
-                    directory.remove(entry.name)
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    report.errors.append(f"{entry.name}: {e.strerror or e}")
-                    continue
-                k.note("sweep.removed", ns=namespace, name=entry.name)
-            report.removed.append(entry.name)
+        doomed = sorted(entries, key=_is_owner)
+        if dry_run:
+            report.removed.extend(entry.name for entry in doomed)
+            continue
+        _remove_all(directory, namespace, doomed, report)
+        # A live consumer may have handed back a segment it was reading as a spare, a name made
+        # after the listing above but only while that segment still had its name, which the
+        # loop above removed: one more look finds every such spare.
+        late = [e for e in directory.entries() if e.namespace == namespace and e.ours and not _is_owner(e)]
+        _remove_all(directory, namespace, late, report)
     return report
+
+
+def _is_owner(entry: Entry) -> bool:
+    return entry.name.endswith(f"-{OWNER_SUFFIX}")
+
+
+def _remove_all(directory: Directory, namespace: str, entries: list[Entry], report: SweepReport) -> None:
+    k = current_kernel()
+    for entry in entries:
+        try:
+            directory.remove(entry.name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            report.errors.append(f"{entry.name}: {e.strerror or e}")
+            continue
+        k.note("sweep.removed", ns=namespace, name=entry.name)
+        report.removed.append(entry.name)
 
 
 def _verdict(

@@ -543,16 +543,19 @@ class PosixStore:
 
     def sweep(self) -> list[str]:
         """Remove every name of this namespace in /dev/shm (files, the wakeup folder, and the
-        owner record last); names that are not ours are left alone."""
+        owner record last); names that are not ours are left alone. It looks twice: a consumer
+        may hand back a segment it was reading as a spare after the first look (see
+        :func:`runtime.connectors.namespaces.sweep`)."""
         directory = ShmDirectory()
-        mine = [e for e in directory.entries() if e.namespace == self.namespace and e.ours]
         removed = []
-        for entry in sorted(mine, key=lambda e: e.name.endswith(f"-{OWNER_SUFFIX}")):
-            try:
-                directory.remove(entry.name)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise _store_error("sweep", entry.name, e) from None
-            removed.append(entry.name)
+        for _ in range(2):
+            mine = [e for e in directory.entries() if e.namespace == self.namespace and e.ours]
+            for entry in sorted(mine, key=lambda e: e.name.endswith(f"-{OWNER_SUFFIX}")):
+                try:
+                    directory.remove(entry.name)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise _store_error("sweep", entry.name, e) from None
+                removed.append(entry.name)
         return removed
