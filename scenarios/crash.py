@@ -18,6 +18,9 @@ a namespace it owns; the other stage reads from there):
   ring, which the hung reader holds, the put takes a segment instead, never blocked);
 * ``storage_errors`` — a put meets a full /dev/shm (space or inodes) or a segment name taken by
   someone else: the request fails at once, naming the cause, and nothing is left;
+* ``sweep_during_read`` — the Talker dies right after committing a chunk and an operator's sweep
+  runs while Code2Wav may still be taking it (handing its segment back as a spare of the dead
+  Talker's namespace): the sweep leaves nothing all the same;
 * ``corrupt_chunk`` — the bytes of a committed chunk change (a flipped byte, or a forged frame
   with a valid checksum whose buffers overlap): the consumer never accepts them.
 
@@ -60,6 +63,8 @@ CHUNKS = [4, 25, 10]
 #: segment it writes into may be that one's, handed back as a spare — byte for byte the same size,
 #: its old commit trailer exactly where the new one goes.
 WRITER_CHUNKS = [25, 25, 10]
+#: How often ``sweep_during_read``'s operator looks whether the Talker died.
+SWEEP_POLL_S = 0.001
 #: How long ``stalled_reader``'s client waits for the new generation: past a put's lock deadline
 #: (10 s), within the run's horizon.
 STALLED_PATIENCE_S = 12.0
@@ -165,6 +170,37 @@ async def in_process(jobs: list[tuple[str, str, Callable[[], Awaitable[object]]]
 
 
 # -- the scenarios --------------------------------------------------------------------------------
+
+
+@crash_scenario(
+    "sweep_during_read",
+    summary="the Talker process dies right after committing a chunk, and an operator's sweep of its namespace "
+    "runs while Code2Wav may still be taking that chunk: what Code2Wav accepts is what was sent, and the sweep "
+    "leaves nothing of the dead Talker, not even the spare Code2Wav hands back meanwhile",
+    issue="omnisim issue 13 (spares) and issue 9 (the sweep)",
+    own=TALKER,
+    faults=lambda p: FaultPlan([Fault("crash_writer", at="shm.put.committed", match={"key": "R_1_1"})]),
+)
+async def sweep_during_read(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"failed"})
+    k = current_kernel()
+
+    async def sweep_once_dead() -> None:
+        # The operator sweeps as soon as the Talker is dead (or, if it never dies, after a while).
+        deadline = k.now() + PRODUCER_NOTICE_S
+        while world.death_time("stage1") is None and k.now() < deadline:
+            await k.sleep(SWEEP_POLL_S)
+        await world.sweep_dead()
+
+    await in_process(
+        [
+            (MAIN_PROCESS, "R.consume", lambda: receive(req)),
+            ("stage1", "R.produce", lambda: send(req, WRITER_CHUNKS)),
+            (MAIN_PROCESS, "operator.sweep", sweep_once_dead),
+        ]
+    )
+
 
 AT_PUT = Param("at", ("created", "reserved", "written", "committed"), "the point of the put the writer dies at")
 

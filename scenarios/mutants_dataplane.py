@@ -198,3 +198,15 @@ def spare_keeps_its_commit() -> Iterator[Patch]:
 def spares_outlive_their_producer() -> Iterator[Patch]:
     yield Patch(stores.MemoryStore, "remove_spare", lambda self, name: False)
     yield Patch(posix_store.PosixStore, "remove_spare", lambda self, name: False)
+
+
+@mutant(
+    "sweep_looks_once",
+    summary="a sweep does not look at a dead namespace again once it removed what it listed: the spare a live "
+    "consumer hands back meanwhile is left behind",
+    issue="omnisim issue 13 (reusable segments)",
+    scenarios=("sweep_during_read",),
+    expect=("no-residue-after-sweep",),
+)
+def sweep_looks_once() -> Iterator[Patch]:
+    yield Patch(namespaces, "_made_meanwhile", lambda directory, namespace: [])

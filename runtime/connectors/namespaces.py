@@ -262,12 +262,16 @@ async def sweep(
             report.removed.extend(entry.name for entry in doomed)
             continue
         _remove_all(directory, namespace, doomed, report)
-        # A live consumer may have handed back a segment it was reading as a spare, a name made
-        # after the listing above but only while that segment still had its name, which the
-        # loop above removed: one more look finds every such spare.
-        late = [e for e in directory.entries() if e.namespace == namespace and e.ours and not _is_owner(e)]
-        _remove_all(directory, namespace, late, report)
+        _remove_all(directory, namespace, _made_meanwhile(directory, namespace), report)
     return report
+
+
+def _made_meanwhile(directory: Directory, namespace: str) -> list[Entry]:
+    """What a sweep that removed ``namespace`` finds of it on a second look. A live consumer may
+    hand back a segment it was reading as a spare, a name made after the sweep's first look, but
+    only while that segment still had its name, which the sweep then removed: this look finds
+    every such spare."""
+    return [e for e in directory.entries() if e.namespace == namespace and e.ours and not _is_owner(e)]
 
 
 def _is_owner(entry: Entry) -> bool:
