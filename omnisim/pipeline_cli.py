@@ -106,6 +106,7 @@ def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tupl
 
     from omnisim.world import make_store
     from runtime.config.pipeline import ConfigError, load_pipeline
+    from runtime.connectors.stores import SPARE_MIN_BYTES
     from runtime.stages import check_shape
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -122,7 +123,7 @@ def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tupl
     if args.store == "posix":
         reclaim_dead_namespaces()
     try:
-        return config, make_store(args.store)
+        return config, make_store(args.store, spare_min_bytes=SPARE_MIN_BYTES)
     except StoreError as e:
         raise CommandFailed(f"cannot use /dev/shm: {e}") from None
 

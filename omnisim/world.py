@@ -47,17 +47,18 @@ QUIESCE_S = 0.25
 _made: list[str] = []
 
 
-def make_store(kind: str, owner: Owner | None = None) -> Store:
+def make_store(kind: str, owner: Owner | None = None, *, spare_min_bytes: int = 0) -> Store:
     """A fresh namespace of the given kind; ``owner`` is the simulated process that owns it (a
-    POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone)."""
-    # Every consumed segment is kept as a spare (as a large one is in production), so every
-    # scenario runs the spares' hand-back and reuse.
+    POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone).
+    ``spare_min_bytes``: 0 in a simulated world, where every consumed segment is kept as a spare
+    (as a large one is in production), so every scenario runs the spares' hand-back and reuse."""
     if kind == "memory":
-        return MemoryStore(f"n{owner.pid}" if owner is not None else "mem", owner=owner, spare_min_bytes=0)
+        name = f"n{owner.pid}" if owner is not None else "mem"
+        return MemoryStore(name, owner=owner, spare_min_bytes=spare_min_bytes)
     if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
         _made.append(namespace)
-        return PosixStore(namespace, claim=True, spare_min_bytes=0)
+        return PosixStore(namespace, claim=True, spare_min_bytes=spare_min_bytes)
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
 
 

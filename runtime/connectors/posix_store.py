@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import mmap
 import os
 import re
@@ -56,7 +55,6 @@ from runtime.connectors.wire import Buffer, WireDecodeError
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
 #: The only mode the store creates, and the only one it accepts on a name it opens.
 MODE = 0o600
-log = logging.getLogger(__name__)
 _REFUSED = (errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENXIO)
 
 
