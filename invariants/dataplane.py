@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 from invariants import invariant
 from invariants.observed import ObservedWorld
 
@@ -112,4 +114,76 @@ def failures_have_causes(world: ObservedWorld) -> list[str]:
             out.append(
                 f"{ev.task}: {ev.name} ({what}) with no fault injected and no process killed or paused before it"
             )
+    return out
+
+
+#: The ring's layout (``runtime.connectors.ring``'s docstring), restated so that the oracle below
+#: reads a ring's bytes with code of its own.
+RING_HEADER = 64
+RING_ALIGN = 64
+_RING_WORDS = struct.Struct("<QQ")  # head, tail at byte 16
+_RING_FRAME = struct.Struct("<IIQQ")  # state, key length, payload length, span
+_RING_FINISHED = (3, 4, 5)  # DONE, CANCELLED, PAD: space a reserve may take back
+
+
+def _aligned(n: int) -> int:
+    return -(-n // RING_ALIGN) * RING_ALIGN
+
+
+def ring_max_payload(capacity: int, fraction: float = 0.25) -> int:
+    """The largest payload a ring of ``capacity`` bytes carries (upstream: a quarter of it), capped
+    so that a frame with the longest key fits beside any remainder at the ring's end."""
+    data = capacity - RING_HEADER
+    return min(int(data * fraction), data // 2 - 2 * 256)
+
+
+def ring_room(view: memoryview, key: str, nbytes: int) -> tuple[int, int]:
+    """``(free, needed)``: the bytes a put of ``nbytes`` under ``key`` could have on the ring whose
+    bytes are ``view`` once every finished frame at its front is released (a frame that would run
+    past the end starts the ring over, and the remainder counts as taken), and the bytes its frame
+    takes. The put had room if ``free >= needed``."""
+    data = len(view) - RING_HEADER
+    head, tail = _RING_WORDS.unpack_from(view, 16)
+    while tail < head:
+        state, _, _, span = _RING_FRAME.unpack_from(view, RING_HEADER + tail % data)
+        if state not in _RING_FINISHED or span <= 0:
+            break
+        tail += span
+    needed = _aligned(_RING_FRAME.size + len(key.encode("ascii"))) + _aligned(nbytes)
+    offset = head % data
+    remainder = data - offset if offset + needed > data else 0
+    return data - (head - tail) - remainder, needed
+
+
+@invariant(
+    "ring-before-segments",
+    "on an edge with a ring, a put whose payload fits the ring goes on it; it takes a segment only while the key's "
+    "unread payload is in one, or when the ring could not be made, or stayed held, or stayed full (no room even "
+    "once every finished frame is released) for the whole wait",
+)
+def ring_before_segments(world: ObservedWorld) -> list[str]:
+    if world.ring_max_payload is None:
+        return []
+    out = []
+    excused: dict[str, bool] = {}  # task -> its put in flight may take a segment
+    in_segment: set[str] = set()  # keys some put placed in a segment, not cleaned up since
+    via: dict[str, str] = {}  # task -> where its put in flight goes
+    for ev in world.trace:
+        key = str(ev.attrs.get("key", ""))
+        if ev.name == "shm.put.begin":
+            excused[ev.task] = key in in_segment
+        elif ev.name in ("ring.full", "ring.unavailable"):
+            excused[ev.task] = True
+        elif ev.name == "shm.put.created":
+            via[ev.task] = str(ev.attrs.get("via"))
+        elif ev.name == "shm.put.reserved" and via.pop(ev.task, None) == "segment":
+            in_segment.add(key)
+            nbytes = int(ev.attrs["bytes"])  # type: ignore[arg-type]
+            if nbytes <= world.ring_max_payload and not excused.get(ev.task, False):
+                out.append(
+                    f"{ev.task} put {key} ({nbytes} bytes; the ring carries up to {world.ring_max_payload}) in a "
+                    "segment, though the ring was neither full nor held and the key had no unread segment"
+                )
+        elif ev.name == "shm.cleanup.begin":
+            in_segment.discard(key)
     return out

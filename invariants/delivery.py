@@ -150,7 +150,8 @@ def aligner_complete(world: ObservedWorld) -> list[str]:
 @invariant(
     "no-lost-wakeup",
     "a receiver waiting for its stage's wakeup is woken by every put to that stage made while it waits: it never "
-    "sits out its timeout with a chunk there",
+    "sits out its timeout with a chunk there; and a put waiting for room on a full ring is woken by the reader "
+    "that frees it (checked from the ring's bytes when the wait ends)",
 )
 def no_lost_wakeup(world: ObservedWorld) -> list[str]:
     out = []

@@ -139,6 +139,8 @@ class ObservedWorld:
     crashes: list[tuple[str, str]] = field(default_factory=list)
     #: Virtual time when the run ended (or was stopped).
     end_time_us: int = 0
+    #: The largest payload the world's edges carry on a ring; None where they have no rings.
+    ring_max_payload: int | None = None
 
     def allowed_outcomes(self, stream: Stream) -> frozenset[str]:
         """What ``stream`` may end with: what its scenario expects, and "failed" too once an

@@ -14,8 +14,11 @@ POINTS: dict[str, tuple[str, str]] = {
         "point",
         "the writer holds the key's lock file; no segment yet (on a ring: the put is about to reserve a frame) [key]",
     ),
-    "shm.put.created": ("point", "the segment exists, empty: its size not yet reserved (on a ring: the frame) [key]"),
-    "shm.put.reserved": ("point", "the segment's bytes are reserved (zero-filled), not yet written [key]"),
+    "shm.put.created": (
+        "point",
+        "the segment exists, empty: its size not yet reserved (on a ring: the frame) [key, via: ring or segment]",
+    ),
+    "shm.put.reserved": ("point", "the segment's bytes are reserved (zero-filled), not yet written [key, bytes]"),
     "shm.put.written": ("point", "the frame's body is in the segment, not yet committed; the lock is held [key]"),
     "shm.put.committed": (
         "point",
@@ -34,7 +37,15 @@ POINTS: dict[str, tuple[str, str]] = {
     "shm.get.corrupt": ("note", "a consumed payload was not a committed, intact frame: a corrupt chunk [key]"),
     "shm.cleanup.begin": ("point", "an exact-key cleanup starts [key]"),
     "shm.cleanup.unlinked": ("note", "a cleanup removed a segment that existed (or cancelled a ring frame) [key]"),
-    "ring.full": ("note", "a put found the edge's ring full (or held) past its wait: it takes a segment [key]"),
+    "ring.full": (
+        "note",
+        "a put found the edge's ring full (or held) past its wait: it takes a segment [key, edge, bytes, held]",
+    ),
+    "ring.room_wait_timed_out": (
+        "note",
+        "a put waiting for room on a full ring was not woken before its wait ended [key, edge, bytes]",
+    ),
+    "ring.unavailable": ("note", "an edge's ring could not be made: its puts take segments for now [edge, error]"),
     "ring.refused": ("note", "a reader will not read a ring: retired, malformed, or not its producer's [edge]"),
     "adapter.save_async": ("point", "the scheduler queued (or had refused) one chunk [ext, req, finished, accepted]"),
     "adapter.save_async.rejected": ("note", "work for an id whose previous generation drains was refused [ext, req]"),

@@ -273,6 +273,8 @@ class SimKernel:
         #: The strategy's event hook; None where it keeps the no-op of the base class, so the
         #: one event made at every point costs no call.
         self._on_event = strategy.on_event if type(strategy).on_event is not Strategy.on_event else None
+        #: The harness's watchers of notes, by name (see :meth:`watch`).
+        self._watchers: dict[str, Callable[[SimTask, dict[str, Attr]], None]] = {}
         self.faults = faults
         self.fault_action = fault_action
         self.horizon_us = _us(horizon_s)
@@ -552,7 +554,17 @@ class SimKernel:
     def note(self, name: str, /, **attrs: Attr) -> None:
         running = _running.get(None)
         if running is None or running.state != KILLED:
-            self._emit(self._me(), name, attrs)
+            me = self._me()
+            self._emit(me, name, attrs)
+            watcher = self._watchers.get(name)
+            if watcher is not None:
+                watcher(me, attrs)
+
+    def watch(self, name: str, watcher: Callable[[SimTask, dict[str, Attr]], None]) -> None:
+        """Call ``watcher`` with the task and attributes of every ``name`` note, right when it is
+        made: the harness looks at shared state at the moment the runtime reports a decision
+        about it (nothing can run in between, on the kernel's one thread)."""
+        self._watchers[name] = watcher
 
     def now(self) -> float:
         return self.clock_us / 1e6

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from invariants.dataplane import ring_max_payload, ring_room
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
@@ -34,7 +35,8 @@ from runtime.transfer.adapter import ChunkTransferAdapter, Processor
 
 #: How a stage of a world on the ``ring`` store hands chunks over: on rings so small that a few
 #: chunks fill one and the scenarios wrap around it, find it full and fall back to segments.
-SIM_RING = StageTransport(send_ring_bytes=16 << 10, receive_ring=True)
+SIM_RING_BYTES = 16 << 10
+SIM_RING = StageTransport(send_ring_bytes=SIM_RING_BYTES, receive_ring=True)
 
 #: Virtual seconds of idle time before the quiescence snapshot: two idle save passes (0.1 s
 #: each), so up to 64 consumed keys have been reaped (spec §10.3: ⌈n/64⌉ + 1 passes).
@@ -361,6 +363,9 @@ class World:
         k = current_kernel()
         assert isinstance(k, SimKernel)
         k.fault_action = self.apply_fault
+        if self.store_kind == "ring":
+            k.watch("ring.full", self._check_ring_full)
+            k.watch("ring.room_wait_timed_out", self._check_room_wait)
         async with k.task_group() as tasks:
             for name, (run, _, process) in self.services.items():
                 with k.as_process(process):
@@ -384,7 +389,47 @@ class World:
             stopped_tasks=outcome.stopped_tasks,
             crashes=outcome.crashes,
             end_time_us=round(outcome.virtual_time_s * 1e6),
+            ring_max_payload=ring_max_payload(SIM_RING_BYTES) if self.store_kind == "ring" else None,
         )
+
+    def _check_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """A put gave up on its edge's ring as full: it must really have had no room."""
+        if attrs["held"]:
+            return  # a reader held the ring's lock throughout: room or not, the put could not look
+        for free, needed in self._ring_room(task, attrs):
+            self.probe(
+                "ring-before-segments",
+                free < needed,
+                f"{task.name} put {attrs['key']} in a segment as the {attrs['edge']} ring was full, but the ring had "
+                f"{free} bytes free once its finished frames were released, and the frame needed {needed}",
+            )
+
+    def _check_room_wait(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """A put sat out its wait for room on its edge's ring: no reader may have freed that room
+        meanwhile, since a reader that frees room wakes the producer waiting for it."""
+        for free, needed in self._ring_room(task, attrs):
+            self.probe(
+                "no-lost-wakeup",
+                free < needed,
+                f"{task.name} sat out its wait for room on the {attrs['edge']} ring for {attrs['key']}, though "
+                f"{free} bytes were free once its finished frames were released, and the frame needed {needed}",
+            )
+
+    def _ring_room(self, task: SimTask, attrs: dict[str, Attr]) -> list[tuple[int, int]]:
+        """``(free, needed)`` (see :func:`invariants.dataplane.ring_room`) for the put of ``attrs``
+        on the ring of ``attrs["edge"]`` in the namespaces of ``task``'s process, read from the
+        ring's bytes now: nothing runs between a note and its watcher."""
+        edge, key, nbytes = str(attrs["edge"]), str(attrs["key"]), int(attrs["bytes"])  # type: ignore[arg-type]
+        out = []
+        for store, process in self.namespaces.values():
+            memory = store.open_ring(edge) if process == task.process else None
+            if memory is None:
+                continue
+            try:
+                out.append(ring_room(memory.view, key, nbytes))
+            finally:
+                memory.close()
+        return out
 
 
 class _WorldDirectory:

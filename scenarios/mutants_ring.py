@@ -61,7 +61,9 @@ def ring_ack_before_copy() -> Iterator[Patch]:
     "takes whatever the space held before",
     issue=RING_ISSUE,
     scenarios=("ring_eager_reader", "ring_full_slow_consumer"),
-    expect=("no-corrupt-accept", "terminal-delivered"),
+    # A reader takes the space's old bytes: accepted if they pass for a frame, else a corrupt
+    # chunk that nothing caused.
+    expect=("no-corrupt-accept", "terminal-delivered", "failures-have-causes"),
     store="ring",
 )
 def ring_published_before_written() -> Iterator[Patch]:
@@ -125,3 +127,35 @@ def ring_identity_unchecked() -> Iterator[Patch]:
         return cached[1] if cached is not None else receive_ring(self, from_stage, to_stage)
 
     yield Patch(ShmConnector, "_receive_ring", unchecked)
+
+
+@mutant(
+    "ring_tail_never_moves",
+    summary="a reader marks its frame done but the ring's tail never moves past it: the space of read frames is "
+    "never reused, the ring fills up for good and every later chunk takes a segment of its own",
+    issue=RING_ISSUE,
+    scenarios=("ring_full_slow_consumer", "ring_wrap_cancel"),
+    expect=("ring-before-segments",),
+    store="ring",
+)
+def ring_tail_never_moves() -> Iterator[Patch]:
+    def release_finished(self: Ring) -> None:
+        pass  # the bug: the finished frames at the front are never released
+
+    yield Patch(Ring, "release_finished", release_finished)
+
+
+@mutant(
+    "ring_room_never_wanted",
+    summary="a put that finds the ring full never says so in the ring's header: the reader that frees room wakes "
+    "nobody, and the put sits out its whole wait with room there (then takes a segment it did not need)",
+    issue=RING_ISSUE,
+    scenarios=("ring_full_slow_consumer",),
+    expect=("no-lost-wakeup",),
+    store="ring",
+)
+def ring_room_never_wanted() -> Iterator[Patch]:
+    def want_room(self: Ring) -> None:
+        pass  # the bug: the producer's wait is never announced
+
+    yield Patch(Ring, "want_room", want_room)

@@ -5,11 +5,13 @@ A checker that cannot fail proves nothing; these tests are what keeps one from s
 from __future__ import annotations
 
 import logging
+import struct
 
 import pytest
 import torch
 
 from invariants import INVARIANTS, Violation, check
+from invariants.dataplane import RING_HEADER, ring_room
 from invariants.observed import ObservedWorld, TraceEvent
 from omnisim import registry
 from omnisim.explore import explore
@@ -193,3 +195,51 @@ def test_no_lost_wakeup_flags_a_timeout_after_a_put_for_the_waiting_stage() -> N
     assert check(world(wait, put_for_1, timeout)) == []  # a put for another stage
     (message,) = check(world(wait, put_for_2, timeout))
     assert "recv2" in message and "R_1_0" in message and "stage 2" in message
+
+
+def test_ring_before_segments_excuses_a_segment_only_for_a_reason() -> None:
+    Event = tuple[str, dict[str, object]]
+
+    def put(key: str, via: str, nbytes: int, *before: Event) -> list[Event]:
+        return [
+            ("shm.put.begin", {"key": key}),
+            *before,
+            ("shm.put.created", {"key": key, "via": via}),
+            ("shm.put.reserved", {"key": key, "bytes": nbytes}),
+        ]
+
+    def found(*events: Event, max_payload: int | None = 4080) -> list[str]:
+        world = world_of(*events)
+        world.ring_max_payload = max_payload
+        return INVARIANTS["ring-before-segments"].check(world)
+
+    assert found(*put("R_1_0", "ring", 800), *put("R_1_1", "segment", 5000)) == []  # too large for the ring
+    assert found(*put("R_1_0", "segment", 800, ("ring.full", {"key": "R_1_0", "held": False}))) == []
+    assert found(*put("R_1_0", "segment", 800, ("ring.unavailable", {"edge": "edge_1_2"}))) == []
+    assert found(*put("R_1_0", "segment", 800), max_payload=None) == []  # a world without rings
+    # a key whose unread payload is in a segment is replaced there, until a cleanup removed it
+    first = put("R_1_0", "segment", 800, ("ring.full", {"key": "R_1_0", "held": False}))
+    assert found(*first, *put("R_1_0", "segment", 800)) == []
+    (message,) = found(*first, ("shm.cleanup.begin", {"key": "R_1_0"}), *put("R_1_0", "segment", 800))
+    assert message.startswith("main put R_1_0 (800 bytes; the ring carries up to 4080) in a segment")
+
+
+def test_ring_room_releases_finished_frames_and_counts_the_remainder_at_the_end() -> None:
+    capacity = 1024 + RING_HEADER  # 16 units of 64 bytes
+    view = memoryview(bytearray(capacity))
+
+    def frame(pos: int, state: int, span: int) -> None:
+        struct.pack_into("<IIQQ", view, RING_HEADER + pos % 1024, state, 0, 0, span)
+
+    def head_tail(head: int, tail: int) -> None:
+        struct.pack_into("<QQ", view, 16, head, tail)
+
+    # 1024 bytes: a frame of key "k" and 100 payload bytes takes 64 + 128 = 192
+    head_tail(0, 0)
+    assert ring_room(view, "k", 100) == (1024, 192)
+    frame(0, 2, 512)  # READY: not reusable
+    frame(512, 3, 384)  # DONE, but behind a READY frame: not released either
+    head_tail(896, 0)
+    assert ring_room(view, "k", 100) == (1024 - 896 - 128, 192)  # the 128 at the end are skipped
+    frame(0, 3, 512)  # now DONE: both release
+    assert ring_room(view, "k", 100) == (1024 - 128, 192)

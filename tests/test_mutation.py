@@ -12,7 +12,7 @@ import pytest
 from conftest import left_behind, shm_names
 
 from omnisim import mutation
-from omnisim.mutation.campaign import load_equivalents
+from omnisim.mutation.campaign import Baseline, SourceChanged, load_equivalents, run_mutants, source_stamp
 from omnisim.mutation.operators import OPERATORS, find_mutations
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,3 +153,19 @@ def test_a_bad_target_is_a_usage_error(args: list[str], message: str) -> None:
     proc = _omnisim("mutate", *args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_campaign_stops_when_the_code_changes_under_it() -> None:
+    # A mutant is a span of the file as it was: spliced into edited code it is another slip, or no
+    # Python at all, and its "crash" would count as a detection.
+    stamp = source_stamp()
+    assert any(path.endswith("runtime/connectors/shm.py") for path in stamp)
+    edited = dict(stamp)
+    path = next(iter(edited))
+    size, mtime = edited[path]
+    edited[path] = (size + 1, mtime)
+    m = _one("runtime/transfer/sender.py", "ChunkSender._run_release_task", "cleanup_prefix")
+    with pytest.raises(SourceChanged, match="changed while the campaign ran"):
+        run_mutants(
+            [m], Baseline(), budget=1, seed=0, jobs=1, time_limit=10, plugins=[], on_outcome=print, stamp=edited
+        )

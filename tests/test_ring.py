@@ -117,6 +117,9 @@ async def test_a_put_replaces_the_unread_frame_of_its_key(store: Store) -> None:
     producer, consumer = pair(store)
     await put(producer, "R_1_0", chunk(1))
     await put(producer, "R_1_0", chunk(2))
+    # the replacement goes on the ring too (found by ring-before-segments: it once took a segment,
+    # the key looking as if its unread payload were in one once its frame was cancelled)
+    assert producer.health()["ring_puts"] == 2 and store.segments() == []
     assert (await take(consumer, "R_1_0"))["i"] == 2
     assert await consumer.get("1", "2", "R_1_0") is None
     # and a replacement too large for the ring leaves no older frame readable either

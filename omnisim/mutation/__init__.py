@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from omnisim.base import STORES, UsageError
-from omnisim.mutation.campaign import Baseline, Outcome, Plan, Score, as_dicts, measure_baseline, run_mutants, scores
+from omnisim.mutation.campaign import (
+    Baseline,
+    Outcome,
+    Plan,
+    Score,
+    as_dicts,
+    measure_baseline,
+    run_mutants,
+    scores,
+    source_stamp,
+)
 from omnisim.mutation.operators import OPERATORS, Mutation, find_mutations, iter_modules
 
 __all__ = ["OPERATORS", "MutationReport", "find", "mutate", "write_report"]
@@ -115,6 +125,7 @@ def mutate(
         Plan(name, "memory", ("sampled",)) for name in names
     ]
     files = sorted({m.path for m in mutations})
+    stamp = source_stamp()
     baseline = measure_baseline(plans, files, budget, seed)
     on_baseline(baseline)
     outcomes = run_mutants(
@@ -126,6 +137,7 @@ def mutate(
         time_limit=time_limit,
         plugins=list(plugins),
         on_outcome=on_outcome,
+        stamp=stamp,
     )
     return MutationReport(outcomes, baseline, time.perf_counter() - start)
 

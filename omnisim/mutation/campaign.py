@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from omnisim.base import CommandFailed
 from omnisim.mutation.operators import Mutation
 
 #: The packages a child forgets, so that they import again around the mutated module.
@@ -144,6 +145,36 @@ def measure_baseline(plans: Sequence[Plan], files: Sequence[str], budget: int, s
     return baseline
 
 
+def source_stamp() -> dict[str, tuple[int, int]]:
+    """Size and modification time of every source file a child imports again: the code a
+    campaign measures (its mutants are spans of those files, its baseline their coverage)."""
+    stamp = {}
+    for package in _RELOADED:
+        spec = importlib.util.find_spec(package)
+        folders = spec.submodule_search_locations if spec is not None else None
+        for folder in folders or ():
+            for path in sorted(Path(folder).rglob("*.py")):
+                st = path.stat()
+                stamp[str(path)] = (st.st_size, st.st_mtime_ns)
+    return stamp
+
+
+class SourceChanged(CommandFailed):
+    """The code changed while a campaign ran: a mutant spliced into the new source would be a
+    different slip (or no Python at all), and its outcome would be counted against the wrong
+    code — a harness error, never a detection."""
+
+
+def _check_unchanged(stamp: dict[str, tuple[int, int]]) -> None:
+    now = source_stamp()
+    changed = sorted(set(now.items()) ^ set(stamp.items()))
+    if changed:
+        raise SourceChanged(
+            f"{changed[0][0]} changed while the campaign ran (its mutants and baseline are of the code as it was): "
+            "run it again once the code stands still"
+        )
+
+
 class _MutatedSource(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports one module from the mutated source instead of its file (and never from a cached
     ``.pyc``, which holds the clean code)."""
@@ -204,8 +235,11 @@ def run_mutants(
     time_limit: float,
     plugins: list[str],
     on_outcome: Callable[[Outcome], None],
+    stamp: dict[str, tuple[int, int]] | None = None,
 ) -> list[Outcome]:
-    """Run every mutant on ``jobs`` forked children at once; the outcomes in the order given."""
+    """Run every mutant on ``jobs`` forked children at once; the outcomes in the order given.
+    ``stamp``: the :func:`source_stamp` the mutants were found in; the campaign stops with
+    :class:`SourceChanged` if the code changes before a mutant starts."""
     context = multiprocessing.get_context("fork")
     equivalents = load_equivalents()
     done: dict[str, Outcome] = {}
@@ -224,6 +258,8 @@ def run_mutants(
     try:
         while queue or running:
             while queue and len(running) < jobs:
+                if stamp is not None:
+                    _check_unchanged(stamp)
                 m = queue.pop(0)
                 plans = baseline.covering(m)
                 if not plans:
