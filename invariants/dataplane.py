@@ -132,7 +132,9 @@ def _aligned(n: int) -> int:
 
 def ring_max_payload(capacity: int, fraction: float = 0.25) -> int:
     """The largest payload a ring of ``capacity`` bytes carries (upstream: a quarter of it), capped
-    so that a frame with the longest key fits beside any remainder at the ring's end."""
+    so that a frame with the longest key (256 bytes with its header) fits beside any remainder at
+    the ring's end. Restated, not imported from ``RingSettings.max_payload``: a runtime that sends
+    smaller payloads to segments than the rule says must not set the bar it is checked against."""
     data = capacity - RING_HEADER
     return min(int(data * fraction), data // 2 - 2 * 256)
 
