@@ -149,15 +149,21 @@ def aligner_complete(world: ObservedWorld) -> list[str]:
 
 @invariant(
     "no-lost-wakeup",
-    "a receiver waiting for its stage's wakeup is woken by every put to that stage made while it waits: it never "
-    "sits out its timeout with a chunk there; and a put waiting for room on a full ring is woken by the reader "
-    "that frees it (checked from the ring's bytes when the wait ends)",
+    "no task sits out its wait's timeout while what it waits for is there: a wait whose caller says what it waits "
+    "for never times out with that already true (a notify was missed); a receiver waiting for its stage's wakeup "
+    "is woken by every put to that stage made while it waits; and a put waiting for room on a full ring is woken "
+    "by the reader that frees it (checked from the ring's bytes when the wait ends)",
 )
 def no_lost_wakeup(world: ObservedWorld) -> list[str]:
     out = []
     waiting: dict[str, str] = {}  # task -> the stage whose wakeup it waits for
     missed: dict[str, str] = {}  # task -> the key of a put that should have woken it
     for ev in world.trace:
+        if ev.name == "kernel.timeout" and ev.attrs.get("missed"):
+            out.append(
+                f"{ev.task} sat out its wait on {str(ev.attrs['on']).removeprefix('signal:')} "
+                "though what it waited for was already there: nothing notified it"
+            )
         if ev.name == "kernel.wait" and (on := str(ev.attrs.get("on", ""))).startswith("signal:wakeup."):
             waiting[ev.task] = on.removeprefix("signal:wakeup.")
             missed.pop(ev.task, None)

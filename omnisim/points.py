@@ -106,7 +106,10 @@ POINTS: dict[str, tuple[str, str]] = {
     "scenario.shutdown.wait": ("point", "a scenario lets the engine run before it shuts it down in flight"),
     "kernel.block": ("note", "a task blocked on a held lock [on]"),
     "kernel.wait": ("note", "a task waits on a signal or sleeps [on]"),
-    "kernel.timeout": ("note", "a task's wait on a signal ended by its timeout, not by a notify [on]"),
+    "kernel.timeout": (
+        "note",
+        "a task's wait on a signal ended by its timeout, not by a notify [on; missed: what it waited for was there]",
+    ),
     "kernel.crash": ("note", "a task died with an exception [error]"),
     "fault": ("note", "an injected fault fired [kind, at, key where its point has one]"),
 }

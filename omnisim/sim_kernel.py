@@ -222,7 +222,7 @@ class _SimSignal:
                 task.notified = True
         self.waiters.clear()
 
-    async def wait(self, timeout: float) -> bool:
+    async def wait(self, timeout: float, *, ready: Callable[[], bool] | None = None) -> bool:
         k = self.kernel
         me = k._me()
         me.notified = False
@@ -235,7 +235,10 @@ class _SimSignal:
         if not me.notified:
             if me in self.waiters:
                 self.waiters.remove(me)
-            k._emit(me, "kernel.timeout", {"on": f"signal:{self.name}"})
+            timed_out: dict[str, Attr] = {"on": f"signal:{self.name}"}
+            if ready is not None and ready():
+                timed_out["missed"] = True
+            k._emit(me, "kernel.timeout", timed_out)
         return me.notified
 
 

@@ -45,8 +45,14 @@ class KSignal(Protocol):
         """Wake every task currently waiting."""
         ...
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait until notified or ``timeout`` seconds pass; True if notified."""
+    async def wait(self, timeout: float, *, ready: Callable[[], bool] | None = None) -> bool:
+        """Wait until notified or ``timeout`` seconds pass; True if notified.
+
+        ``ready`` says what the caller waits for. A wait that runs out its timeout while
+        ``ready()`` holds missed a ``notify``: every wait is bounded, so such a loss costs only
+        latency and nothing else would show it; the simulator records it (``kernel.timeout``
+        with ``missed``) for the ``no-lost-wakeup`` invariant, production ignores it.
+        """
         ...
 
 

@@ -86,7 +86,7 @@ class OutputStream:
 
     async def get(self) -> EngineOutput:
         while not self._items:
-            await self._arrived.wait(IDLE_WAIT_S)
+            await self._arrived.wait(IDLE_WAIT_S, ready=lambda: bool(self._items))
         return self._items.popleft()
 
 
@@ -190,7 +190,7 @@ class Orchestrator:
     async def drain(self) -> None:
         """Wait until every request ended and its release sweep ran."""
         while self.requests:
-            await self._released.wait(IDLE_WAIT_S)
+            await self._released.wait(IDLE_WAIT_S, ready=lambda: not self.requests)
 
     def shutdown(self) -> None:
         """Stop, gracefully: requests in flight end at once with an error terminal and are
@@ -204,6 +204,7 @@ class Orchestrator:
                 self._abort_stages(state)
                 self._close(state, self._terminal(state, SHUT_DOWN))
         self._release_needed.notify()
+        self._released.notify()  # a submit waiting for its id to be released gives up at once
 
     def _stop_stages(self) -> None:
         for stage in self.stages.values():
@@ -238,7 +239,7 @@ class Orchestrator:
             await self.wait_ready(RESTART_WAIT_S, stages=range(final + 1))
             if request_id not in self.requests:
                 break
-            await self._released.wait(IDLE_WAIT_S)
+            await self._released.wait(IDLE_WAIT_S, ready=lambda: request_id not in self.requests or self._stopping)
         state = RequestState(
             request_id=request_id,
             text=text,
@@ -401,7 +402,9 @@ class Orchestrator:
                             log.warning("shutdown: %d request(s) not released in time", len(self.requests))
                         self._stop_stages()
                         return
-                await self._release_needed.wait(IDLE_WAIT_S)
+                await self._release_needed.wait(
+                    IDLE_WAIT_S, ready=lambda: bool(self._to_release) or (self._stopping and not self.requests)
+                )
 
     async def _release(self, state: RequestState) -> None:
         """The request-level sweep (spec §2.11), then the id is free for reuse."""
@@ -415,6 +418,8 @@ class Orchestrator:
         if self.requests.get(state.request_id) is state:
             del self.requests[state.request_id]
         self._released.notify()
+        if self._stopping and not self.requests:
+            self._release_needed.notify()  # the release loop stops the stages once all are released
 
     def _check_failures(self) -> None:
         """A stage that gave up sending a chunk (#4855 R1.2), or received one that was corrupt,

@@ -109,13 +109,7 @@ class ProcessStage(Supervised):
         """Ask the process for the request-level sweep; 0 if it is down (its namespace goes whole)."""
         if not self.alive:
             return 0
-        self._tokens += 1
-        token = self._tokens
-        self._releases[token] = None
-        self._post({"op": "release", "ext": ext, "token": token})
-        while self.alive and self._releases.get(token) is None:
-            await self._released.wait(DEAD_AFTER_S)
-        return self._releases.pop(token, None) or 0
+        return await self._ask({"op": "release", "ext": ext}) or 0
 
     def collect_failures(self) -> list[tuple[str, str]]:
         failed, self._failures = self._failures, []
@@ -134,19 +128,27 @@ class ProcessStage(Supervised):
 
     async def residue_now(self) -> dict[str, list[str]]:
         """What the process holds now: asked, and answered after everything sent before."""
-        if not self.alive:
-            return self.residue()
-        self._tokens += 1
-        token = self._tokens
-        self._releases[token] = None
-        self._post({"op": "residue", "token": token})
-        while self.alive and self._releases.get(token) is None:
-            await self._released.wait(DEAD_AFTER_S)
-        self._releases.pop(token, None)
+        if self.alive:
+            await self._ask({"op": "residue"})
         return self.residue()
 
     def health(self) -> dict[str, Any]:
         return super().health() | {"pid": self.pid}
+
+    async def _ask(self, message: dict[str, Any]) -> int | None:
+        """Post ``message`` under a fresh token and wait for the process's answer to it; None if
+        the process died first."""
+        self._tokens += 1
+        token = self._tokens
+        self._releases[token] = None
+        self._post(message | {"token": token})
+
+        def answered() -> bool:
+            return not self.alive or self._releases.get(token) is not None
+
+        while not answered():
+            await self._released.wait(DEAD_AFTER_S, ready=answered)
+        return self._releases.pop(token, None)
 
     def _post(self, message: dict[str, Any]) -> None:
         self._outbox.append(message)
@@ -297,7 +299,7 @@ class ProcessStage(Supervised):
                     await self._channel.send(message)
                 except ChannelClosed:
                     return  # the receive loop finds out why
-            await self._mail.wait(DEAD_AFTER_S)
+            await self._mail.wait(DEAD_AFTER_S, ready=lambda: bool(self._outbox) or not self.alive)
 
     async def _watch(self) -> None:
         """A process that has said nothing for :data:`DEAD_AFTER_S` is dead (hung, or stopped):

@@ -35,7 +35,7 @@ class _Signal:
         self._event.set()
         self._event = trio.Event()
 
-    async def wait(self, timeout: float) -> bool:
+    async def wait(self, timeout: float, *, ready: Callable[[], bool] | None = None) -> bool:
         event = self._event
         with trio.move_on_after(timeout):
             await event.wait()

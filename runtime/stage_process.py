@@ -176,7 +176,7 @@ class StageServer:
                 while self._outbox:
                     await self.channel.send(self._outbox.popleft())
                 if not self._stage_done:
-                    await self._mail.wait(HEARTBEAT_S)
+                    await self._mail.wait(HEARTBEAT_S, ready=lambda: bool(self._outbox) or self._stage_done)
             await self.channel.send({"ev": "bye", "residue": self.stage.residue()})
         except ChannelClosed:
             self.stop()  # the head is gone: nobody to tell

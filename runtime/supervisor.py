@@ -61,6 +61,8 @@ class Supervised:
         self.alive = False
         self.restarts = 0
         self._stopping = False
+        #: Rung when a life ends, so nothing waits out a timeout for an answer from a dead life.
+        self._life_news = current_kernel().signal(f"{spec.name}.life")
 
     async def run(self, on_output: OnOutput) -> None:
         """Live one life after another until :meth:`shutdown` (or a death, with ``fail``)."""
@@ -71,6 +73,7 @@ class Supervised:
             born = k.now()
             reason = await self.live(on_output)
             self.alive = False
+            self._life_news.notify()
             if not reason:
                 return  # stopped as asked
             k.note("stage.died", stage=self.spec.stage_id, reason=reason)
@@ -238,21 +241,22 @@ class LocalStage(Supervised):
     async def release(self, ext: str) -> int:
         """The sweep runs in the life's process, as a message to a stage process would; it is
         waited for only while that life lives (a dead one's namespace goes whole)."""
-        k = current_kernel()
         life = self.life
         if not self.alive or life is None or self._lives is None:
             return 0
         removed: list[int] = []
-        done = k.signal(f"{self.spec.name}.released.{ext}")
 
         async def sweep() -> None:
             removed.append(await life.stage.release(ext))
-            done.notify()
+            self._life_news.notify()
+
+        def answered() -> bool:
+            return bool(removed) or not self.alive or self.life is not life
 
         with life.process():
             self._lives.start_soon(sweep, name=f"{self.spec.name}.release.{ext}")
-        while not removed and self.alive and self.life is life:
-            await done.wait(HEARTBEAT_S)
+        while not answered():
+            await self._life_news.wait(HEARTBEAT_S, ready=answered)
         return removed[0] if removed else 0
 
     def collect_failures(self) -> list[tuple[str, str]]:

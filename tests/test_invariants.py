@@ -197,6 +197,17 @@ def test_no_lost_wakeup_flags_a_timeout_after_a_put_for_the_waiting_stage() -> N
     assert "recv2" in message and "R_1_0" in message and "stage 2" in message
 
 
+def test_no_lost_wakeup_flags_a_timeout_the_kernel_marked_missed() -> None:
+    def world(*attrs: dict[str, object]) -> ObservedWorld:
+        trace = [TraceEvent(i, 0, "save", "kernel.timeout", a) for i, a in enumerate(attrs)]  # type: ignore[arg-type]
+        return ObservedWorld(trace=trace, snapshots=[], streams={}, crashes=[])
+
+    check = INVARIANTS["no-lost-wakeup"].check
+    assert check(world({"on": "signal:thinker.save"})) == []  # an idle timeout
+    (message,) = check(world({"on": "signal:thinker.save", "missed": True}))
+    assert "save sat out its wait on thinker.save" in message
+
+
 def test_ring_before_segments_excuses_a_segment_only_for_a_reason() -> None:
     Event = tuple[str, dict[str, object]]
 

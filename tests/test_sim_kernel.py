@@ -201,6 +201,29 @@ def test_signal_wait_times_out_in_virtual_time_and_notify_wakes() -> None:
     assert results == [("timeout", False, 0.25), ("notified", True, 1.25)]
 
 
+def test_a_wait_that_times_out_with_what_it_waits_for_there_is_marked_missed() -> None:
+    async def main() -> None:
+        k = current_kernel()
+        sig = k.signal("s")
+        work: list[int] = []
+        await sig.wait(0.5, ready=lambda: bool(work))  # nothing came: an idle timeout
+        work.append(1)  # the state changes and nobody notifies
+        await sig.wait(0.5, ready=lambda: bool(work))
+
+        async def notifier() -> None:
+            work.append(2)
+            sig.notify()
+
+        async with k.task_group() as tasks:
+            tasks.start_soon(notifier, name="notifier")
+            await sig.wait(0.5, ready=lambda: True)  # notified: no timeout at all
+
+    out = sim().run(main)
+    assert out.stop_reason is None
+    timeouts = [e.attrs for e in out.trace if e.name == "kernel.timeout"]
+    assert timeouts == [{"on": "signal:s"}, {"on": "signal:s", "missed": True}]
+
+
 # -- stops: deadlock, horizon, crash -----------------------------------------------------------
 
 

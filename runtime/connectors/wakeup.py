@@ -74,7 +74,7 @@ class LocalWakeups:
     async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
         sig = self._signal(stage)
         if self._counters[stage] == generation:
-            await sig.wait(timeout)
+            await sig.wait(timeout, ready=lambda: self._counters[stage] != generation)
         return self._counters[stage] != generation
 
     def close(self) -> None:

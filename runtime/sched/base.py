@@ -92,10 +92,14 @@ class StageScheduler:
             outputs = await self.step()
             for out in outputs:
                 on_output(out)
-            if not outputs and not self._new_work and not self.adapter.has_ready_chunks():
-                await self._wakeup.wait(IDLE_WAIT_S)
+            if not outputs and not self._has_news():
+                await self._wakeup.wait(IDLE_WAIT_S, ready=self._has_news)
             else:
                 await current_kernel().sleep(0)  # one step at a time: let the other stages run
+
+    def _has_news(self) -> bool:
+        """Whether the doorbell rang or a chunk waits: the next step has something to act on."""
+        return self._new_work or self.adapter.has_ready_chunks()
 
     async def step(self) -> list[StageOutput]:
         raise NotImplementedError

@@ -297,12 +297,15 @@ class ChunkReceiver:
                 producer_checked = k.now()
                 self._fail_if_producer_died()
             if not self._pending_load_reqs:
-                await self._recv_cond.wait(RECV_IDLE_WAIT_S)
+                await self._recv_cond.wait(RECV_IDLE_WAIT_S, ready=self._recv_loop_has_work)
             elif not progress:
                 if generation is not None:
                     await self.connector.wait_for_change(generation, timeout=RECV_WAKEUP_WAIT_S)
                 else:
                     await self._recv_cond.wait(RECV_BACKOFF_S)
+
+    def _recv_loop_has_work(self) -> bool:
+        return bool(self._pending_load_reqs) or self._stopped
 
     def _fail_if_producer_died(self) -> None:
         """Every request waiting for a chunk of a dead producer fails: nothing will come."""

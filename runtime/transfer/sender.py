@@ -438,7 +438,7 @@ class ChunkSender:
         self._pending_save_reqs.insert(behind, task)
         self._save_cond.notify()
         while task.removed is None:
-            await self._released.wait(SAVE_IDLE_WAIT_S)
+            await self._released.wait(SAVE_IDLE_WAIT_S, ready=lambda: task.removed is not None)
         return task.removed
 
     # == the send-failure side channel =========================================================
@@ -476,11 +476,14 @@ class ChunkSender:
             await self._drain_save_queue()
             # The idle reap (#8082 g): consumed keys are forgotten even when nothing more is sent.
             self.connector.reap_consumed()
-            if not self._pending_save_reqs and not self._stopped:
-                await self._save_cond.wait(SAVE_IDLE_WAIT_S)
+            if not self._save_loop_has_work():
+                await self._save_cond.wait(SAVE_IDLE_WAIT_S, ready=self._save_loop_has_work)
         # Reclaim work queued before the stop still runs; unsent chunks are dropped.
         self._pending_save_reqs = deque(t for t in self._pending_save_reqs if not isinstance(t, SaveTask))
         await self._drain_save_queue()
+
+    def _save_loop_has_work(self) -> bool:
+        return bool(self._pending_save_reqs) or self._stopped
 
     async def _drain_save_queue(self) -> None:
         while self._pending_save_reqs:
