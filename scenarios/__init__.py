@@ -4,6 +4,7 @@ from scenarios import (  # noqa: F401
     codec,
     config_contract,
     crash,
+    generation_merge,
     hostile,
     input_wait,
     mutants_4855,

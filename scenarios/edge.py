@@ -170,9 +170,7 @@ class MergeWatch:
 
     def check(self) -> None:
         if self.taken is not None:
-            receiver = self.req.receiver
-            since = self.taken.since(self.req.ext, self.count)
-            check_merge(receiver.request_id, self.req.ext, self.before, receiver.additional_information, since)
+            check_merge(self.req.receiver, self.req.ext, self.before, self.taken.since(self.req.ext, self.count))
 
 
 async def consume(req: EdgeRequest, *, input_deadline_s: float | None = None) -> None:

@@ -5,9 +5,12 @@ Each chunk the receiver commits is merged into the request's ``additional_inform
 previous dict carries over (unless the chunk's ``meta.replace_runtime_additional_information`` is
 True); a dict-valued entry merges key by key, except ``codes.audio`` unless it is a tensor of two
 or more dimensions (1-D codes live in the prompt) and ``meta.finished`` (it steers exhaustion);
-any other value overwrites. :class:`TakenChunks` records what Code2Wav's connector handed out;
-:func:`check_merge` compares, after a commit, what the runtime merged with what the spec says and
-notes the case (``merge.case``) for the ``merged-as-spec`` invariant.
+any other value overwrites. The chunk also becomes the request's one-shot prompt: its codes (a
+placeholder ``[0]`` for codes of two or more dimensions, ``[0]`` for a segment end without codes),
+nothing computed yet; and a chunk with no codes that ends neither the request nor a segment is
+not ready (the receiver polls on). :class:`TakenChunks` records what Code2Wav's connector handed
+out; :func:`check_merge` compares, after a commit, what the runtime made of the request with what
+the spec says and notes the case (``merge.case``) for the ``merged-as-spec`` invariant.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from omnisim.world import World
 from runtime.connectors.keys import external_id_of
 from runtime.kernel import current_kernel
+from runtime.request import Request
 
 AS_SPEC = "as spec §3.8 merges the chunks taken"
 
@@ -44,6 +48,34 @@ def spec_merge(info: dict[str, Any] | None, payload: dict[str, Any]) -> dict[str
         else:
             merged[name] = value
     return merged
+
+
+def _flag(payload: dict[str, Any], name: str) -> bool:
+    """``meta[name]`` as a flag: a tensor counts only with exactly one element, and a true one."""
+    meta = payload.get("meta")
+    value = meta.get(name) if isinstance(meta, dict) else None
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value.item())
+    return bool(value)
+
+
+def spec_prompt(payload: dict[str, Any]) -> list[Any]:
+    """The prompt ids ``payload`` becomes (spec §3.8, generation mode, steps 2 and 5)."""
+    codes = payload.get("codes")
+    audio = codes.get("audio") if isinstance(codes, dict) else None
+    if isinstance(audio, torch.Tensor):
+        ids = audio.tolist() if audio.ndim < 2 else [0] if audio.numel() else []
+    else:
+        ids = list(audio) if isinstance(audio, list) else []
+    if not ids and _flag(payload, "is_segment_finished"):
+        return [0]
+    return ids
+
+
+def spec_ready(payload: dict[str, Any]) -> bool:
+    """Whether committing ``payload`` publishes it (step 6: not a chunk with no codes that ends
+    neither the request nor a segment)."""
+    return bool(spec_prompt(payload)) or _flag(payload, "finished")
 
 
 def first_difference(got: object, want: object, path: str = "") -> str | None:
@@ -85,13 +117,29 @@ class TakenChunks:
         return len(self.by_ext.get(ext, []))
 
 
-def check_merge(request_id: str, ext: str, info_before: dict[str, Any] | None, got: Any, taken: list[Any]) -> None:
-    """Note whether ``got`` (the request's ``additional_information`` after a commit) is what the
-    spec makes of ``info_before`` and the chunks ``taken`` since."""
+def check_merge(request: Request, ext: str, info_before: dict[str, Any] | None, taken: list[Any]) -> None:
+    """Note whether ``request`` after a commit is what the spec makes of ``info_before`` and the
+    chunks ``taken`` since: the merged ``additional_information``, the prompt of the last chunk,
+    and that only the last one was ready."""
+    got = _difference(request, info_before, taken) or AS_SPEC
+    current_kernel().note("merge.case", req=request.request_id, ext=ext, got=got, want=AS_SPEC)
+
+
+def _difference(request: Request, info_before: dict[str, Any] | None, taken: list[Any]) -> str | None:
+    if not taken:
+        return "published with no chunk taken"
+    *skipped, last = taken
+    if any(spec_ready(payload) for payload in skipped):
+        return "a ready chunk was not published"
+    if not spec_ready(last):
+        return "published a chunk with no codes that ends neither the request nor a segment"
     want: dict[str, Any] | None = info_before
     for payload in taken:
         want = spec_merge(want, payload)
-    difference = first_difference(got, want)
-    current_kernel().note(
-        "merge.case", req=request_id, ext=ext, got=AS_SPEC if difference is None else difference, want=AS_SPEC
+    prompt = spec_prompt(last)
+    return (
+        first_difference(request.additional_information, want)
+        or first_difference(request.prompt_token_ids, prompt, "prompt_token_ids.")
+        or first_difference(request.num_prompt_tokens, len(prompt), "num_prompt_tokens.")
+        or first_difference(request.num_computed_tokens, 0, "num_computed_tokens.")
     )
