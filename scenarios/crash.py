@@ -135,7 +135,7 @@ async def receive(req: EdgeRequest, *, pause_s: float = 0.0) -> float | None:
         merge = MergeWatch(req)
         await adapter.load_async(request)
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
-            await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+            await adapter.chunk_ready.wait(CONSUMER_WAIT_S, ready=lambda: adapter.has_ready_chunks(request.request_id))
             await check_failures(req.world)
             if req.stream.outcome == "failed":
                 return k.now()

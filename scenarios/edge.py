@@ -149,7 +149,7 @@ async def next_chunk(req: EdgeRequest, *, input_deadline_s: float | None = None)
         if adapter.pop_ready(req.receiver.request_id):
             merge.check()
             break
-        await adapter.chunk_ready.wait(CONSUMER_WAIT_S)
+        await adapter.chunk_ready.wait(CONSUMER_WAIT_S, ready=lambda: adapter.has_ready_chunks(req.receiver.request_id))
         await check_failures(req.world)
         if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
             await fail(req, f"no chunk for {input_deadline_s}s")

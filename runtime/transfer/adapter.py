@@ -121,9 +121,10 @@ class ChunkTransferAdapter:
         """AR mode: the payload committed for ``request_id`` (once), to apply after :meth:`pop_ready`."""
         return self.receiver.take_ar_update(request_id)
 
-    def has_ready_chunks(self) -> bool:
-        """True while a committed chunk waits for its scheduler (see :meth:`pop_ready`)."""
-        return self.receiver.has_ready_chunks()
+    def has_ready_chunks(self, request_id: str | None = None) -> bool:
+        """True while a committed chunk (of ``request_id``, if given) waits for its scheduler
+        (see :meth:`pop_ready`)."""
+        return self.receiver.has_ready_chunks(request_id)
 
     def is_done_receiving_chunks(self, request_id: str) -> bool:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""

@@ -230,9 +230,10 @@ class ChunkReceiver:
             return True
         return False
 
-    def has_ready_chunks(self) -> bool:
-        """True while a committed chunk waits for its scheduler (see :meth:`pop_ready`)."""
-        return bool(self._finished_load_reqs)
+    def has_ready_chunks(self, request_id: str | None = None) -> bool:
+        """True while a committed chunk (of ``request_id``, if given) waits for its scheduler
+        (see :meth:`pop_ready`)."""
+        return request_id in self._finished_load_reqs if request_id is not None else bool(self._finished_load_reqs)
 
     def is_done_receiving_chunks(self, request_id: str) -> bool:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""
