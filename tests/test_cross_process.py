@@ -339,6 +339,23 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
     assert names_of(namespace) == []
 
 
+async def test_a_poke_wakes_the_processs_own_wait_as_a_put_would() -> None:
+    """A registration made while the receive loop waits for a put pokes the loop's own FIFO."""
+    namespace = posix_store.new_namespace()
+    receiver = FifoWakeups(namespace)
+    try:
+        receiver.poke("1")  # no FIFO for stage 1 yet: nothing to wake
+        gen = receiver.generation("1")
+        receiver.poke("1")
+        start = time.monotonic()
+        assert await receiver.wait_for_change("1", gen, timeout=5) is True
+        assert time.monotonic() - start < 1.0
+        assert await receiver.wait_for_change("1", receiver.generation("1"), timeout=0.05) is False  # drained
+    finally:
+        receiver.close()
+    assert names_of(namespace) == []
+
+
 async def test_a_ring_producer_waits_for_room_on_its_own_channel() -> None:
     namespace = posix_store.new_namespace()
     producer, consumer = FifoWakeups(namespace), FifoWakeups(namespace)

@@ -67,7 +67,17 @@ class Connector(Protocol):
 
     def get_wakeup_generation(self) -> int | None: ...
 
-    async def wait_for_change(self, generation: int, *, timeout: float) -> bool: ...
+    def poke(self) -> None:
+        """Wake this stage's own :meth:`wait_for_change`, as a put to it would (a new
+        registration wants a poll now)."""
+        ...
+
+    async def wait_for_change(
+        self, generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait up to ``timeout`` for a put to this stage after ``generation``; True if one came.
+        ``ready``: what else the caller waits for (see :meth:`runtime.kernel.KSignal.wait`)."""
+        ...
 
     def health(self) -> dict[str, Any]: ...
 

@@ -653,11 +653,18 @@ class ShmConnector:
         stage = self._wakeup_stage()
         return None if stage is None or self._wakeups is None else self._wakeups.generation(stage)
 
-    async def wait_for_change(self, generation: int, *, timeout: float) -> bool:
+    def poke(self) -> None:
+        stage = self._wakeup_stage()
+        if stage is not None and self._wakeups is not None:
+            self._wakeups.poke(stage)
+
+    async def wait_for_change(
+        self, generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> bool:
         stage = self._wakeup_stage()
         if stage is None or self._wakeups is None:
             return False
-        return await self._wakeups.wait_for_change(stage, generation, timeout=timeout)
+        return await self._wakeups.wait_for_change(stage, generation, timeout=timeout, ready=ready)
 
     def producer_alive(self) -> bool:
         """Whether the stage this one receives from still lives (a dead one sends nothing more)."""

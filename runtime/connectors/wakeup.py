@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 from runtime.kernel import KSignal, current_kernel
@@ -37,12 +38,20 @@ class Wakeups(Protocol):
         """Hint every receiver of ``to_stage`` that something arrived."""
         ...
 
+    def poke(self, stage: str) -> None:
+        """Wake this process's own wait on ``stage``, as a put would: something else (a new
+        registration) wants a poll now."""
+        ...
+
     def generation(self, stage: str) -> int | None:
         """The receiver's wakeup counter, or None when wakeups are unavailable (keep polling)."""
         ...
 
-    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the counter to move past ``generation``; True if it did."""
+    async def wait_for_change(
+        self, stage: str, generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait up to ``timeout`` for the counter to move past ``generation``; True if it did.
+        ``ready``: what else the caller waits for (see :meth:`runtime.kernel.KSignal.wait`)."""
         ...
 
     def close(self) -> None: ...
@@ -67,14 +76,23 @@ class LocalWakeups:
         self._counters[to_stage] += 1
         sig.notify()
 
+    def poke(self, stage: str) -> None:
+        self.notify(stage)
+
     def generation(self, stage: str) -> int | None:
         self._signal(stage)
         return self._counters[stage]
 
-    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
+    async def wait_for_change(
+        self, stage: str, generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> bool:
         sig = self._signal(stage)
+
+        def moved() -> bool:
+            return self._counters[stage] != generation or (ready is not None and ready())
+
         if self._counters[stage] == generation:
-            await sig.wait(timeout, ready=lambda: self._counters[stage] != generation)
+            await sig.wait(timeout, ready=moved)
         return self._counters[stage] != generation
 
     def close(self) -> None:
@@ -201,11 +219,19 @@ class FifoWakeups:
             finally:
                 os.close(fd)
 
+    def poke(self, stage: str) -> None:
+        rx = self._receivers.get(stage)
+        if rx is not None:
+            with contextlib.suppress(OSError):  # full (a wakeup is pending anyway), or closed
+                os.write(rx.hold_fd, b"\0")
+
     def generation(self, stage: str) -> int | None:
         rx = self._receiver(stage)
         return None if rx is None else rx.counter
 
-    async def wait_for_change(self, stage: str, generation: int, *, timeout: float) -> bool:
+    async def wait_for_change(
+        self, stage: str, generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+    ) -> bool:
         rx = self._receivers.get(stage)
         if rx is None or self._closed:
             return False
