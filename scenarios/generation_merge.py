@@ -55,6 +55,7 @@ def merge_world(store_kind: str) -> World:
 )
 async def generation_merge(world: World) -> None:
     req = EdgeRequest(world, "M")
+    req.receiver.resumable = True  # until its terminal arrives (spec §3.8 step 1)
 
     async def produce() -> None:
         for i, (payload, segment_end) in enumerate(CASES):

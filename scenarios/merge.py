@@ -120,7 +120,7 @@ class TakenChunks:
 def check_merge(request: Request, ext: str, info_before: dict[str, Any] | None, taken: list[Any]) -> None:
     """Note whether ``request`` after a commit is what the spec makes of ``info_before`` and the
     chunks ``taken`` since: the merged ``additional_information``, the prompt of the last chunk,
-    and that only the last one was ready."""
+    that only the last one was ready, and that a terminal ended its resumability."""
     got = _difference(request, info_before, taken) or AS_SPEC
     current_kernel().note("merge.case", req=request.request_id, ext=ext, got=got, want=AS_SPEC)
 
@@ -133,6 +133,8 @@ def _difference(request: Request, info_before: dict[str, Any] | None, taken: lis
         return "a ready chunk was not published"
     if not spec_ready(last):
         return "published a chunk with no codes that ends neither the request nor a segment"
+    if _flag(last, "finished") and request.resumable:
+        return "still resumable after its terminal chunk"
     want: dict[str, Any] | None = info_before
     for payload in taken:
         want = spec_merge(want, payload)
