@@ -20,6 +20,7 @@ from omnisim.world import Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.generation import GenerationScheduler
+from runtime.transfer.sender import Processor
 from scenarios.merge import TakenChunks, check_merge
 
 TALKER = 1
@@ -55,10 +56,10 @@ def edge_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], Scenario
     return scenario(name, build=edge_world, **kwargs)
 
 
-def edge_world(store_kind: str) -> World:
+def edge_world(store_kind: str, processor: Processor = synthetic_codec_chunk) -> World:
     world = World(store_kind)
     # At this edge the Talker only sends and Code2Wav (the final stage) only receives.
-    world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False)
+    world.add_stage(TALKER, processor=processor, receives=False)
     world.add_stage(CODE2WAV, sends=False)
     watch_code2wav(world)
     return world

@@ -9,6 +9,7 @@ check (:mod:`scenarios.merge`) compares each commit with what the spec makes of 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.request import Request, RequestStatus
-from scenarios.edge import CODE2WAV, TALKER, EdgeRequest, codec_frames, next_chunk, release, together, watch_code2wav
+from scenarios.edge import EdgeRequest, codec_frames, edge_world, next_chunk, release, together
 
 #: (payload, is_segment_finished) in the order the Talker sends them; the last is the terminal.
 CASES: tuple[tuple[dict[str, Any], bool], ...] = (
@@ -37,21 +38,13 @@ def crafted_chunk(
     return multimodal_output["payload"]
 
 
-def merge_world(store_kind: str) -> World:
-    world = World(store_kind)
-    world.add_stage(TALKER, processor=crafted_chunk, receives=False)
-    world.add_stage(CODE2WAV, sends=False)
-    watch_code2wav(world)
-    return world
-
-
 @scenario(
     "generation_merge",
     summary="spec §3.8: a Talker sends Code2Wav one chunk per case of the generation-mode commit (codes of two "
     "dimensions, one, a list, none; a chunk that is not ready; a segment end; a replacing chunk; the terminal): "
     "each commit merges and prompts as the spec says, and only ready chunks are published",
     issue="spec §3.8; omnisim issue 11 (a blind spot of the mutation score: only 2-D codes ever crossed the edge)",
-    build=merge_world,
+    build=functools.partial(edge_world, processor=crafted_chunk),
 )
 async def generation_merge(world: World) -> None:
     req = EdgeRequest(world, "M")
