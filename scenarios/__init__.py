@@ -19,6 +19,7 @@ from scenarios import (  # noqa: F401
     race_6670,
     race_8082,
     ring,
+    segments,
     stage_crash,
 )
 

@@ -1,0 +1,89 @@
+"""A streaming session's saves across segments: spec §3.3's admission of each ``save_async``.
+
+A resumable request's scheduler may save a chunk twice (a replay after a preemption: its
+confirmed token count is below what the id already sent) or save for a segment that has already
+ended (a late save). Both are dropped without a word; a segment end always goes out and starts
+the next segment's count afresh. No other scenario sends either kind, so the watermark and the
+segment generations ran unchecked. Here each refused save carries frames of its own: were it
+sent, Code2Wav would accept frames nobody sent (``no-corrupt-accept``); were a save the spec
+admits refused, its frames would be missing (``terminal-delivered``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from omnisim.world import World
+from runtime.request import RequestStatus
+from scenarios.edge import EdgeRequest, codec_frames, consume, edge_scenario, release, together
+
+
+class Save(NamedTuple):
+    frames: int
+    segment_generation: int
+    #: The request's token counts at the save: the confirmed count is computed minus placeholders.
+    computed: int
+    placeholders: int = 0
+    segment_end: bool = False
+    #: A late save: its caller passes the segment generation it still holds, not the request's.
+    late: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        """Whether spec §3.3 sends it (the scenario's expectation, not the runtime's answer)."""
+        return self not in REFUSED
+
+
+#: In the order the Talker's scheduler makes them; the last one is the terminal.
+SAVES = (
+    Save(4, 0, computed=0),  # the prefill chunk: nothing confirmed yet
+    Save(3, 0, computed=8),
+    Save(4, 0, computed=6, placeholders=2),  # a replay: 4 confirmed, below the watermark of 8
+    Save(3, 0, computed=8),  # equal to the watermark: not a replay
+    Save(2, 0, computed=10, segment_end=True),  # ends segment 0; its count starts afresh
+    Save(2, 0, computed=12, late=True),  # segment 0 has ended
+    Save(3, 1, computed=3, placeholders=2),  # 1 confirmed: below segment 0's count, but a new segment's
+    Save(2, 1, computed=2, placeholders=2),  # a replay: 0 confirmed, below the watermark of 1
+    Save(2, 2, computed=5),  # the scheduler moved on to segment 2
+    Save(2, 1, computed=9, late=True),  # segment 1 is behind it
+    Save(1, 2, computed=6),  # the terminal
+)
+REFUSED = frozenset({SAVES[2], SAVES[5], SAVES[7], SAVES[9]})
+
+
+@edge_scenario(
+    "streaming_segments",
+    summary="spec §3.3: a streaming session saves across three segments, with a replayed save (below the "
+    "watermark), one equal to it, a segment end, and late saves for ended segments: exactly the admitted "
+    "saves reach Code2Wav, in order, and nothing is left behind",
+    issue="spec §3.3 (late saves, replays, segment ends); omnisim issue 11 (a blind spot of the mutation score)",
+)
+async def streaming_segments(world: World) -> None:
+    req = EdgeRequest(world, "S")
+    req.sender.resumable = True
+
+    async def produce() -> None:
+        offset = 0
+        for i, save in enumerate(SAVES):
+            if i == len(SAVES) - 1:
+                req.sender.resumable = False
+                req.sender.status = RequestStatus.FINISHED_STOPPED
+            if not save.late:
+                req.sender.segment_generation = save.segment_generation
+            req.sender.num_computed_tokens = save.computed
+            req.sender.num_output_placeholders = save.placeholders
+            frames = codec_frames(save.frames, offset)
+            offset += save.frames
+            if save.admitted:
+                # What Code2Wav may accept, recorded before the hand-off and checked by content.
+                req.stream.sent_frames.extend(tuple(frames[:, j].tolist()) for j in range(save.frames))
+                req.stream.frames_sent += save.frames
+            await req.talker.adapter.save_async(
+                {"frames": frames},
+                req.sender,
+                is_segment_finished=save.segment_end,
+                segment_generation=save.segment_generation if save.late else None,
+            )
+
+    await together(("S.consume", lambda: consume(req)), ("S.produce", produce))
+    await release(req)
