@@ -172,6 +172,18 @@ def wakeup_counts_nothing() -> Iterator[Patch]:
 
 
 @mutant(
+    "registration_never_pokes",
+    summary="a registration (or a stop) rings only the receive loop's idle signal: a request registered while the "
+    "loop waits for a put to its stage sits out that wait with its chunk already there",
+    issue="omnisim issue 11 (found once waits said what they wait for: code2wav_stream)",
+    scenarios=("code2wav_stream",),
+    expect=("no-lost-wakeup",),
+)
+def registration_never_pokes() -> Iterator[Patch]:
+    yield Patch(ShmConnector, "poke", lambda self: None)
+
+
+@mutant(
     "spare_keeps_its_commit",
     summary="a spare segment takes a key's name with the commit trailer of the frame it held: a writer killed "
     "before it wrote a byte leaves an old chunk under the new key, whole",
