@@ -127,7 +127,9 @@ def check_merge(request: Request, ext: str, info_before: dict[str, Any] | None, 
 
 def _difference(request: Request, info_before: dict[str, Any] | None, taken: list[Any]) -> str | None:
     if not taken:
-        return "published with no chunk taken"
+        # Registered by someone else (an orchestrator re-registering the id) and committed before
+        # this watch began: what was merged is already in ``info_before``.
+        return first_difference(request.additional_information, info_before)
     *skipped, last = taken
     if any(spec_ready(payload) for payload in skipped):
         return "a ready chunk was not published"
