@@ -119,9 +119,6 @@ class ChunkReceiver:
         self.upstream_exhausted_requests: dict[str, None] = {}
         self._finished_load_reqs: dict[str, None] = {}
         self._pending_load_reqs: deque[LoadEntry] = deque()
-        #: How many registrations were queued so far: a pass of the receive loop knows whether
-        #: one came while it polled.
-        self._registrations = 0
         #: AR mode: the committed payload of each ready request, applied by the scheduler.
         self._pending_ar_prompt_updates: dict[str, dict[str, Any]] = {}
         self._recv_cond = k.signal(f"{name}.recv")
@@ -144,7 +141,6 @@ class ChunkReceiver:
                 entry = LoadEntry(next(self._serials), request)
                 self._registered_load_entries[request.request_id] = entry
                 self._pending_load_reqs.append(entry)
-                self._registrations += 1
                 k.note("adapter.register", stage=self.stage_id, req=request.request_id, entry=entry.serial)
                 self._recv_cond.notify()  # the receive loop, idle
                 self.connector.poke()  # or waiting for a put to the stage
@@ -284,7 +280,6 @@ class ChunkReceiver:
         producer_checked = k.now()
         while not self._stopped:
             generation = self.connector.get_wakeup_generation()
-            registrations = self._registrations
             progress = 0
             batch = list(self._pending_load_reqs)
             self._pending_load_reqs.clear()
@@ -307,10 +302,11 @@ class ChunkReceiver:
                 await self._recv_cond.wait(RECV_IDLE_WAIT_S, ready=self._recv_loop_has_work)
             elif not progress:
                 if generation is not None:
+                    # Besides a put: a request registered since this pass began, or the stop.
                     await self.connector.wait_for_change(
                         generation,
                         timeout=RECV_WAKEUP_WAIT_S,
-                        ready=lambda: self._registrations != registrations or self._stopped,  # noqa: B023
+                        ready=lambda: self._stopped or any(e not in batch for e in self._pending_load_reqs),  # noqa: B023
                     )
                 else:
                     await self._recv_cond.wait(RECV_BACKOFF_S)
