@@ -51,7 +51,9 @@ def spec_merge(info: dict[str, Any] | None, payload: dict[str, Any]) -> dict[str
 
 
 def _flag(payload: dict[str, Any], name: str) -> bool:
-    """``meta[name]`` as a flag: a tensor counts only with exactly one element, and a true one."""
+    """``meta[name]`` as a flag: a tensor counts only with exactly one element, and a true one.
+    (Spec §3.8's rule, restated here rather than taken from the runtime's ``truthy_scalar``: the
+    oracle must not share the code it judges.)"""
     meta = payload.get("meta")
     value = meta.get(name) if isinstance(meta, dict) else None
     if isinstance(value, torch.Tensor):
@@ -63,8 +65,10 @@ def spec_prompt(payload: dict[str, Any]) -> list[Any]:
     """The prompt ids ``payload`` becomes (spec §3.8, generation mode, steps 2 and 5)."""
     codes = payload.get("codes")
     audio = codes.get("audio") if isinstance(codes, dict) else None
-    if isinstance(audio, torch.Tensor):
-        ids = audio.tolist() if audio.ndim < 2 else [0] if audio.numel() else []
+    if isinstance(audio, torch.Tensor) and audio.ndim >= 2:
+        ids = [0] if audio.numel() else []  # a placeholder: the codes travel in the merged input
+    elif isinstance(audio, torch.Tensor):
+        ids = audio.tolist()
     else:
         ids = list(audio) if isinstance(audio, list) else []
     if not ids and _flag(payload, "is_segment_finished"):

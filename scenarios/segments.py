@@ -27,28 +27,24 @@ class Save(NamedTuple):
     segment_end: bool = False
     #: A late save: its caller passes the segment generation it still holds, not the request's.
     late: bool = False
-
-    @property
-    def admitted(self) -> bool:
-        """Whether spec §3.3 sends it (the scenario's expectation, not the runtime's answer)."""
-        return self not in REFUSED
+    #: Whether spec §3.3 sends it (the scenario's expectation, not the runtime's answer).
+    admitted: bool = True
 
 
 #: In the order the Talker's scheduler makes them; the last one is the terminal.
 SAVES = (
     Save(4, 0, computed=0),  # the prefill chunk: nothing confirmed yet
     Save(3, 0, computed=8),
-    Save(4, 0, computed=6, placeholders=2),  # a replay: 4 confirmed, below the watermark of 8
+    Save(4, 0, computed=6, placeholders=2, admitted=False),  # a replay: 4 confirmed, below the watermark of 8
     Save(3, 0, computed=8),  # equal to the watermark: not a replay
     Save(2, 0, computed=10, segment_end=True),  # ends segment 0; its count starts afresh
-    Save(2, 0, computed=12, late=True),  # segment 0 has ended
+    Save(2, 0, computed=12, late=True, admitted=False),  # segment 0 has ended
     Save(3, 1, computed=3, placeholders=2),  # 1 confirmed: below segment 0's count, but a new segment's
-    Save(2, 1, computed=2, placeholders=2),  # a replay: 0 confirmed, below the watermark of 1
+    Save(2, 1, computed=2, placeholders=2, admitted=False),  # a replay: 0 confirmed, below the watermark of 1
     Save(2, 2, computed=5),  # the scheduler moved on to segment 2
-    Save(2, 1, computed=9, late=True),  # segment 1 is behind it
+    Save(2, 1, computed=9, late=True, admitted=False),  # segment 1 is behind it
     Save(1, 2, computed=6),  # the terminal
 )
-REFUSED = frozenset({SAVES[2], SAVES[5], SAVES[7], SAVES[9]})
 
 
 @edge_scenario(

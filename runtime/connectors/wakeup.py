@@ -88,11 +88,11 @@ class LocalWakeups:
     ) -> bool:
         sig = self._signal(stage)
 
-        def moved() -> bool:
+        def moved_or_ready() -> bool:
             return self._counters[stage] != generation or (ready is not None and ready())
 
         if self._counters[stage] == generation:
-            await sig.wait(timeout, ready=moved)
+            await sig.wait(timeout, ready=moved_or_ready)
         return self._counters[stage] != generation
 
     def close(self) -> None:
