@@ -27,6 +27,10 @@ from runtime.process_stage import ProcessStage
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = Models.build()
 LONG_TEXT = "streaming audio should start before the whole sentence is done, and go on for a while"
+# The kill below must land while the Talker still holds its request. It lands when the first audio
+# reaches the client, four frames in; with LONG_TEXT's 43 frames a busy machine once let the
+# Talker finish first (CI, stop 23). Four times the text gives it 170 frames to go instead of 40.
+KILL_TEXT = " ".join([LONG_TEXT] * 4)
 
 
 def engine_on(store: PosixStore, *, processes: bool, config: PipelineConfig | None = None) -> Orchestrator:
@@ -84,7 +88,7 @@ def test_a_killed_talker_fails_only_its_requests_and_comes_back() -> None:
 
             async def audio_request() -> None:
                 outputs: list[ClientOutput] = []
-                async for out in generate(engine, LONG_TEXT, ("audio",), request_id="R"):
+                async for out in generate(engine, KILL_TEXT, ("audio",), request_id="R"):
                     outputs.append(out)
                     if not killed_at and out.data is not None:
                         assert first_pid is not None
