@@ -125,6 +125,26 @@ def merged_as_spec(world: ObservedWorld) -> list[str]:
     return [f"{e.attrs['req']} after a commit: {e.attrs['got']}" for e in world.missed_expectations("merge.case")]
 
 
+@invariant(
+    "sender-contract",
+    "the sender keeps spec §3.3–§3.4's word to its scheduler and processor: save_async answers whether it queued "
+    "the chunk; a processor is handed the request as it was when its chunk was queued, with that save's new token "
+    "ids; each chunk carries the finish flags step 5 gives it (checked where a scenario probes them)",
+)
+def sender_contract(world: ObservedWorld) -> list[str]:
+    answers = [
+        f"save_async for {e.attrs['req']} answered {e.attrs['got']}; spec §3.3 says {e.attrs['want']}"
+        for e in world.missed_expectations("sender.answer")
+    ]
+    views = [
+        f"the processor of {e.attrs['req']} was handed {e.attrs['got']}; queued was {e.attrs['want']}"
+        for e in world.missed_expectations("processor.view")
+    ]
+    return (
+        answers + views + [f"{e.attrs['req']}: {e.attrs['got']}" for e in world.missed_expectations("processor.flags")]
+    )
+
+
 #: How far (ms) the last word may end from the end of the audio.
 ALIGN_TOLERANCE_MS = 1
 

@@ -50,8 +50,11 @@ POINTS: dict[str, tuple[str, str]] = {
     "adapter.save_async": ("point", "the scheduler queued (or had refused) one chunk [ext, req, finished, accepted]"),
     "adapter.save_async.rejected": ("note", "work for an id whose previous generation drains was refused [ext, req]"),
     "adapter.send.begin": ("point", "the save task takes a chunk task of a generation [ext, gen, finished]"),
-    "adapter.send.stale": ("note", "the task's generation no longer owns the id (or was cancelled) [ext, gen]"),
-    "adapter.send.vetoed": ("note", "the pre-put check found the generation retired [ext, gen]"),
+    "adapter.send.stale": (
+        "note",
+        "the pre-put check: the task's generation no longer owns the id, or may not send (cancelled or failed) "
+        "[ext, gen]",
+    ),
     "adapter.put": (
         "note",
         "the adapter hands a chunk to the connector; the key range is already bounded [ext, gen, key]",

@@ -46,6 +46,7 @@ DEFAULT_INVARIANTS = (
     "no-lost-wakeup",
     "no-corrupt-accept",
     "merged-as-spec",
+    "sender-contract",
     "ring-before-segments",
 )
 

@@ -56,10 +56,14 @@ def edge_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], Scenario
     return scenario(name, build=edge_world, **kwargs)
 
 
-def edge_world(store_kind: str, processor: Processor = synthetic_codec_chunk) -> World:
+def edge_world(
+    store_kind: str, processor: Processor = synthetic_codec_chunk, *, talker_receives: bool = False
+) -> World:
+    """The edge's world. Its Talker only sends, unless ``talker_receives``: then it also registers
+    for the Thinker's chunks (no Thinker sends any: a request waits for input that never comes)."""
     world = World(store_kind)
-    # At this edge the Talker only sends and Code2Wav (the final stage) only receives.
-    world.add_stage(TALKER, processor=processor, receives=False)
+    # Code2Wav, the final stage, only receives.
+    world.add_stage(TALKER, processor=processor, receives=talker_receives)
     world.add_stage(CODE2WAV, sends=False)
     watch_code2wav(world)
     return world

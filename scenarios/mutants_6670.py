@@ -34,9 +34,9 @@ def no_terminal_fence() -> Iterator[Patch]:
 def deferred_cleanup_only_on_success() -> Iterator[Patch]:
     original = vars(Sender)["_release_terminal_fence"]
 
-    async def _release_terminal_fence(self: Sender, ext: str, token: SenderGeneration) -> None:
+    async def _release_terminal_fence(self: Sender, token: SenderGeneration) -> None:
         if token.terminal_sent:
-            await original(self, ext, token)
+            await original(self, token)
 
     yield Patch(Sender, "_release_terminal_fence", _release_terminal_fence)
 

@@ -3,10 +3,25 @@ lost that terminal: a cleanup that discarded a queued terminal, and a parked sen
 
 from __future__ import annotations
 
+import functools
+
 from omnisim.faults import Fault, FaultPlan
+from omnisim.registry import scenario
 from omnisim.world import World
 from runtime.kernel import current_kernel
-from scenarios.edge import EdgeRequest, abort, consume, edge_scenario, produce, produce_then_finish, release, together
+from runtime.request import Request
+from scenarios.edge import (
+    EdgeRequest,
+    abort,
+    codec_frames,
+    consume,
+    edge_scenario,
+    edge_world,
+    produce,
+    produce_then_finish,
+    release,
+    together,
+)
 
 
 @edge_scenario(
@@ -71,4 +86,59 @@ async def parked_sender_terminal(world: World) -> None:
         await req.talker.adapter.finish_parked_streaming_session(req.sender)
 
     await together(("R.consume", lambda: consume(req)), ("R.produce", stream_then_terminal_update))
+    await release(req)
+
+
+@scenario(
+    "parked_session_after_segment",
+    summary="a streaming session parked after a segment end, registered for its next input, gets its terminal "
+    "update: the terminal counts as the next segment (not a late save of the ended one) and the session's "
+    "registration goes with it; one parked before its first chunk gets no terminal (nothing of it went "
+    "downstream) and loses its registration all the same",
+    issue="#6670 (b), with segment generations (spec §3.3 step 5)",
+    build=functools.partial(edge_world, talker_receives=True),
+)
+async def parked_session_after_segment(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.sender.resumable = True
+    req.sender.segment_generation = 0  # its producer keeps segment generations
+    req.stream.complete_required = False
+    req.stream.vetoable = True
+
+    async def segment_then_terminal_update() -> None:
+        talker = req.talker.adapter
+        await produce(req, [4], finish=False)
+        await talker.save_async({"frames": codec_frames(0)}, req.sender, is_segment_finished=True)
+        await talker.load_async(req.sender)  # parked: waiting for the Thinker's next segment
+        await talker.finish_parked_streaming_session(req.sender)
+
+    async def park_before_first_chunk() -> None:
+        talker = req.talker.adapter
+        await talker.load_async(silent)
+        await talker.finish_parked_streaming_session(silent)
+
+    # Only the Talker ever knew of it: no stream, no Code2Wav request.
+    silent = Request("Q-talker", "Q", resumable=True, segment_generation=0)
+    await together(
+        ("R.consume", lambda: consume(req)),
+        ("R.produce", segment_then_terminal_update),
+        ("Q.park", park_before_first_chunk),
+    )
+    await release(req)
+
+
+@edge_scenario(
+    "release_after_stage_stop",
+    summary="the Talker stops with an aborted request's reclaim still queued; the orchestrator's release sweep "
+    "comes after its save loop ended, sweeps at once instead of queueing behind a loop that will not run again, "
+    "and leaves nothing behind",
+    issue="spec §2.11 (the request-level sweep) at shutdown; omnisim issue 11 (a blind spot of the mutation score)",
+)
+async def release_after_stage_stop(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"aborted"})
+    await produce(req, [4, 3], finish=False)  # nobody reads them
+    await abort(req)
+    req.talker.adapter.shutdown()  # the save loop runs its queued reclaim, then ends
+    await current_kernel().sleep(1.0)
     await release(req)

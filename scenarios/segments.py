@@ -6,7 +6,8 @@ ended (a late save). Both are dropped without a word; a segment end always goes 
 the next segment's count afresh. No other scenario sends either kind, so the watermark and the
 segment generations ran unchecked. Here each refused save carries frames of its own: were it
 sent, Code2Wav would accept frames nobody sent (``no-corrupt-accept``); were a save the spec
-admits refused, its frames would be missing (``terminal-delivered``).
+admits refused, its frames would be missing (``terminal-delivered``); and ``save_async`` must
+answer which saves it queued (``sender-contract``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from omnisim.world import World
+from runtime.kernel import current_kernel
 from runtime.request import RequestStatus
 from scenarios.edge import EdgeRequest, codec_frames, consume, edge_scenario, release, together
 
@@ -47,11 +49,15 @@ SAVES = (
 )
 
 
+def answer(queued: bool) -> str:
+    return "queued" if queued else "refused"
+
+
 @edge_scenario(
     "streaming_segments",
     summary="spec §3.3: a streaming session saves across three segments, with a replayed save (below the "
     "watermark), one equal to it, a segment end, and late saves for ended segments: exactly the admitted "
-    "saves reach Code2Wav, in order, and nothing is left behind",
+    "saves reach Code2Wav, in order, save_async answers which it queued, and nothing is left behind",
     issue="spec §3.3 (late saves, replays, segment ends); omnisim issue 11 (a blind spot of the mutation score)",
 )
 async def streaming_segments(world: World) -> None:
@@ -74,11 +80,14 @@ async def streaming_segments(world: World) -> None:
                 # What Code2Wav may accept, recorded before the hand-off and checked by content.
                 req.stream.sent_frames.extend(tuple(frames[:, j].tolist()) for j in range(save.frames))
                 req.stream.frames_sent += save.frames
-            await req.talker.adapter.save_async(
+            queued = await req.talker.adapter.save_async(
                 {"frames": frames},
                 req.sender,
                 is_segment_finished=save.segment_end,
                 segment_generation=save.segment_generation if save.late else None,
+            )
+            current_kernel().note(
+                "sender.answer", req=req.sender.request_id, got=answer(queued), want=answer(save.admitted)
             )
 
     await together(("S.consume", lambda: consume(req)), ("S.produce", produce))

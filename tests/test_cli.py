@@ -626,10 +626,10 @@ def test_dfs_says_when_its_bounded_space_is_exhausted(capsys: pytest.CaptureFixt
     args = ["explore", "abort_during_put", "--strategy", "dfs", "--delays", "1", "--budget", "1000"]
     code, out, err = omnisim(capsys, *args, "--out", str(tmp_path))
     assert code == 0, err
-    assert "bounded space exhausted: 50 schedules" in out  # the default schedule and its 49 one-step deviations
+    assert "bounded space exhausted: 48 schedules" in out  # the default schedule and its 47 one-step deviations
     # Without --budget a search runs until it is exhausted (the random walk's 200 would cut it short).
     code, out, err = omnisim(capsys, "explore", "abort_during_put", "--strategy", "dfs", "--out", str(tmp_path))
-    assert code == 0 and "bounded space exhausted: 666 schedules" in out, err
+    assert code == 0 and "bounded space exhausted: 636 schedules" in out, err
     code, _, err = omnisim(capsys, "run", "abort_during_put", "--strategy", "dfs")
     assert code == 2 and "use explore" in err
 

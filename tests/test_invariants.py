@@ -139,6 +139,27 @@ def test_merged_as_spec_names_the_request_and_the_first_difference() -> None:
     assert INVARIANTS["merged-as-spec"].check(missed) == ["R-code2wav after a commit: meta.finished: missing"]
 
 
+def test_sender_contract_names_the_broken_promise() -> None:
+    from scenarios.processor_contract import AS_SPEC
+
+    held = world_of(
+        ("sender.answer", {"req": "S-talker", "got": "queued", "want": "queued"}),
+        ("processor.view", {"req": "P-talker", "got": "output=[1]", "want": "output=[1]"}),
+        ("processor.flags", {"req": "P", "chunk": 0, "got": AS_SPEC, "want": AS_SPEC}),
+    )
+    assert INVARIANTS["sender-contract"].check(held) == []
+    broken = world_of(
+        ("sender.answer", {"req": "S-talker", "got": "queued", "want": "refused"}),
+        ("processor.view", {"req": "P-talker", "got": "output=[1, 9]", "want": "output=[1]"}),
+        ("processor.flags", {"req": "P", "chunk": 4, "got": "chunk 4 flagged finished=False", "want": AS_SPEC}),
+    )
+    assert INVARIANTS["sender-contract"].check(broken) == [
+        "save_async for S-talker answered queued; spec §3.3 says refused",
+        "the processor of P-talker was handed output=[1, 9]; queued was output=[1]",
+        "P: chunk 4 flagged finished=False",
+    ]
+
+
 def test_the_merge_model_reads_spec_3_8() -> None:
     from scenarios.merge import first_difference, spec_merge
 

@@ -24,7 +24,6 @@ class SenderGeneration:
     in_flight: bool = False
     cancelled: bool = False
     terminal_pending: bool = False
-    cleanup_deferred: bool = False
     num_puts: int = 0
     terminal_sent: bool = False
     #: A put of this generation failed: it sends nothing more (a later chunk would go out under

@@ -133,8 +133,6 @@ class ChunkReceiver:
     async def load_async(self, request: Request) -> None:
         """Register ``request`` to receive its next chunk (no duplicate registrations)."""
         k = current_kernel()
-        if request.additional_information is None:
-            request.additional_information = {}
         async with self._receiver_state_lock:
             entry = self._registered_load_entries.get(request.request_id)
             if entry is None:

@@ -263,7 +263,7 @@ class ChunkSender:
         if not is_current:
             k.note("adapter.send.stale", ext=ext, gen=token.serial)
             if is_terminal:
-                await self._release_terminal_fence(ext, token)
+                await self._release_terminal_fence(token)
                 if token.failed and self.tables.owns(ext, token):
                     # The terminal that would have retired it will never be sent.
                     await self.cleanup_sender(ext)
@@ -277,7 +277,7 @@ class ChunkSender:
             # The first point where no in-flight code can touch this generation: it owns the
             # reclaim when an abort raced the put.
             if is_terminal:
-                await self._release_terminal_fence(ext, token)
+                await self._release_terminal_fence(token)
             async with self._sender_state_lock:
                 if self.tables.owns(ext, token):
                     token.in_flight = False
@@ -302,7 +302,6 @@ class ChunkSender:
             return None
 
     async def _send_for_generation(self, task: SaveTask, token: SenderGeneration) -> None:
-        k = current_kernel()
         ext = task.request.external_req_id
         chunk_id = self.tables.put_req_chunk.get(ext, 0)
         key = chunk_key(ext, self.stage_id, chunk_id)
@@ -319,11 +318,9 @@ class ChunkSender:
         if meta.get("is_segment_finished") is None:
             meta["is_segment_finished"] = torch.tensor(task.is_segment_finished)
 
-        async with self._sender_state_lock:
-            active = self.tables.owns(ext, token) and rules.may_send(token, task.is_finished)
-        if not active:
-            k.note("adapter.send.vetoed", ext=ext, gen=token.serial)
-            return
+        # Upstream looks at ownership again right before the put (its pre-put veto, spec §3.4
+        # step 6): its processor ran on another thread meanwhile. Here the processor is
+        # synchronous, so nothing has run since the check at the start of the task.
         ok, cause = await self._put_chunk(token, key, chunk_id, payload)
 
         async with self._sender_state_lock:
@@ -362,17 +359,11 @@ class ChunkSender:
         cause = metadata.get("error") if isinstance(metadata, dict) else None
         return ok, str(cause or "connector.put reported failure")
 
-    async def _release_terminal_fence(self, ext: str, token: SenderGeneration) -> None:
-        """Lower the fence and run a cleanup deferred while it was up, on every exit path."""
+    async def _release_terminal_fence(self, token: SenderGeneration) -> None:
+        """Lower the fence, on every exit path of the terminal's task. A cleanup that came while
+        it was up only marked the generation cancelled; the task retires it right after."""
         async with self._sender_state_lock:
             token.terminal_pending = False
-            deferred = token.cleanup_deferred
-            token.cleanup_deferred = False
-            still_current = self.tables.owns(ext, token)
-        # If the token no longer owns ext, its successor already reclaimed; cleaning now would
-        # wipe the successor's state.
-        if deferred and still_current:
-            await self.cleanup_sender(ext)
 
     async def _run_cleanup_task(self, task: CleanupTask) -> None:
         k = current_kernel()
@@ -398,11 +389,10 @@ class ChunkSender:
             token = self.tables.sender_tokens.get(ext)
             if token is None:
                 self.tables.clear(ext)
-            elif rules.fence_defers_cleanup(token):
-                token.cancelled = token.cleanup_deferred = True
             else:
                 token.cancelled = True
-                if not token.in_flight:
+                # Its terminal's task (fenced) or the put in flight retires it when it ends.
+                if not (rules.fence_defers_cleanup(token) or token.in_flight):
                     self._retire_generation_locked(ext, token)
         await k.point("adapter.cleanup_sender.end", ext=ext)
 
