@@ -21,7 +21,15 @@ _OWNERSHIP_EVENTS = frozenset(
 )
 _REGISTRATION_EVENTS = frozenset({"adapter.register", "adapter.unregister", "adapter.commit"})
 _CONSUME_EVENTS = frozenset(
-    {"adapter.register", "adapter.unregister", "shm.put.created", "adapter.poll", "kernel.killed", "shm.get.consumed"}
+    {
+        "adapter.register",
+        "adapter.unregister",
+        "adapter.receive_failed",
+        "shm.put.created",
+        "adapter.poll",
+        "kernel.killed",
+        "shm.get.consumed",
+    }
 )
 
 
@@ -100,7 +108,8 @@ def no_stale_commit(world: ObservedWorld) -> list[str]:
 @invariant(
     "no-stale-consume",
     "a get that outlived its registration never consumes a chunk written after that registration ended "
-    "(the chunk of a later generation of the same id)",
+    "(the chunk of a later generation of the same id); a request whose receive failed is not polled again "
+    "until it registers anew",
 )
 def no_stale_consume(world: ObservedWorld) -> list[str]:
     out = []
@@ -108,14 +117,21 @@ def no_stale_consume(world: ObservedWorld) -> list[str]:
     ended: dict[tuple[object, str, object], int] = {}  # (stage, request, entry) -> event index it ended at
     written: dict[str, int] = {}  # key -> event index its current segment was created at
     polling: dict[str, tuple[object, str, object, str]] = {}  # task -> the poll it is running
+    # (stage, request) -> event index its receive failed at. A failure is final: the chunk it
+    # waited for was consumed or will never come, and a poll after it reads a key that only a
+    # later generation of the id can write.
+    failed: dict[tuple[object, str], int] = {}
     for ev in world.trace:
         if ev.name not in _CONSUME_EVENTS:
             continue
         a = ev.attrs
         if ev.name == "adapter.register":
             live[(a["stage"], str(a["req"]))] = a["entry"]
+            failed.pop((a["stage"], str(a["req"])), None)
             # The same serial again is a new life of the stage (a restarted process numbers anew).
             ended.pop((a["stage"], str(a["req"]), a["entry"]), None)
+        elif ev.name == "adapter.receive_failed":
+            failed[(a["stage"], str(a["req"]))] = ev.index
         elif ev.name == "adapter.unregister":
             entry = live.pop((a["stage"], str(a["req"])), None)
             if entry is not None:
@@ -124,6 +140,12 @@ def no_stale_consume(world: ObservedWorld) -> list[str]:
             written[str(a["key"])] = ev.index
         elif ev.name == "adapter.poll":
             polling[ev.task] = (a["stage"], str(a["req"]), a["entry"], str(a["key"]))
+            failed_at = failed.get((a["stage"], str(a["req"])))
+            if failed_at is not None:
+                out.append(
+                    f"stage {a['stage']} polled {a['key']} for registration {a['entry']} of {a['req']} after its "
+                    f"receive failed (event {failed_at}): a failed request kept its place in the receive queue"
+                )
         elif ev.name == "kernel.killed":
             polling.pop(ev.task, None)
         elif ev.name == "shm.get.consumed" and ev.task in polling:

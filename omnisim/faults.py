@@ -70,6 +70,7 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | N
     ),
     "put_raise_after_create": ("shm.put.written", lambda a: InjectedCrash(f"injected raise after creating {_key(a)}")),
     "decode_fail": ("shm.get.consumed", lambda a: InjectedDecodeError(f"injected decode failure for {_key(a)}")),
+    "get_raise": ("shm.get.begin", lambda a: InjectedStoreError(f"injected read failure for {_key(a)}")),
     "crash_writer": ("shm.put.written", None),
     "crash_reader": ("shm.get.locked", None),
     "stall": ("shm.get.locked", None),

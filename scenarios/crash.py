@@ -49,6 +49,7 @@ from scenarios.edge import (
     check_failures,
     codec_frames,
     synthetic_codec_chunk,
+    wait_for_chunk,
     watch_code2wav,
 )
 
@@ -135,7 +136,7 @@ async def receive(req: EdgeRequest, *, pause_s: float = 0.0) -> float | None:
         merge = MergeWatch(req)
         await adapter.load_async(request)
         while req.stream.outcome == "open" and not adapter.pop_ready(request.request_id):
-            await adapter.chunk_ready.wait(CONSUMER_WAIT_S, ready=lambda: adapter.has_ready_chunks(request.request_id))
+            await wait_for_chunk(adapter, request.request_id)
             await check_failures(req.world)
             if req.stream.outcome == "failed":
                 return k.now()
@@ -405,6 +406,23 @@ async def corrupt_chunk(world: World) -> None:
         [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
     )
     await req.talker.adapter.finish_requests([req.sender])
+    await req.talker.adapter.release_shm_resources(req.ext)
+
+
+@crash_scenario(
+    "transient_read_error",
+    summary="Code2Wav's get of a chunk raises before it touched anything (an I/O error of the moment): the receive "
+    "loop polls again, and the request finishes with every frame, each once, nothing left behind",
+    issue="omnisim issue 11 (a blind spot of the mutation score: the receive loop's retry)",
+    own=TALKER,
+    faults=lambda p: FaultPlan([Fault("get_raise", match={"key": "R_1_1"})]),
+)
+async def transient_read_error(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"finished"})
+    await in_process(
+        [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
+    )
     await req.talker.adapter.release_shm_resources(req.ext)
 
 

@@ -20,6 +20,7 @@ from omnisim.world import Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.generation import GenerationScheduler
+from runtime.transfer.adapter import ChunkTransferAdapter
 from runtime.transfer.sender import Processor
 from scenarios.merge import TakenChunks, check_merge
 
@@ -154,11 +155,25 @@ async def next_chunk(req: EdgeRequest, *, input_deadline_s: float | None = None)
         if adapter.pop_ready(req.receiver.request_id):
             merge.check()
             break
-        await adapter.chunk_ready.wait(CONSUMER_WAIT_S, ready=lambda: adapter.has_ready_chunks(req.receiver.request_id))
+        await wait_for_chunk(adapter, req.receiver.request_id)
         await check_failures(req.world)
         if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
             await fail(req, f"no chunk for {input_deadline_s}s")
     return req.stream.outcome == "open"
+
+
+async def wait_for_chunk(adapter: ChunkTransferAdapter, request_id: str) -> None:
+    """Wait (a bounded while) for a chunk of ``request_id`` to be committed or for its receive
+    to fail: the adapter rings ``chunk_ready`` for both, so a wait that runs out while either
+    holds is a lost wakeup."""
+
+    def ready() -> bool:
+        return adapter.has_ready_chunks(request_id) or adapter.has_receive_failure(request_id)
+
+    if ready():
+        await current_kernel().sleep(0)  # a consumer that spins on a wrong answer still yields
+    else:
+        await adapter.chunk_ready.wait(CONSUMER_WAIT_S, ready=ready)
 
 
 class MergeWatch:

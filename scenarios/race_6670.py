@@ -142,3 +142,20 @@ async def release_after_stage_stop(world: World) -> None:
     req.talker.adapter.shutdown()  # the save loop runs its queued reclaim, then ends
     await current_kernel().sleep(1.0)
     await release(req)
+
+
+@edge_scenario(
+    "stop_with_queued_reclaim",
+    summary="the Talker stops right after an abort queued the reclaim of two sent chunks, and no release sweep "
+    "follows (a shutdown whose grace period ran out): the save loop still runs the reclaim before it ends, and "
+    "nothing is left behind",
+    issue="spec §3.5 (the exact-range reclaim) at shutdown; omnisim issue 11 (a blind spot of the mutation score)",
+)
+async def stop_with_queued_reclaim(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"aborted"})
+    await produce(req, [4, 3], finish=False)  # nobody reads them
+    await current_kernel().sleep(0.5)  # both are put
+    await abort(req)
+    req.talker.adapter.shutdown()
+    await current_kernel().sleep(1.0)

@@ -19,6 +19,7 @@ import trio
 
 from omnisim import explore, registry
 from omnisim.strategies.ordered import parse_chain
+from runtime.connectors.base import CorruptChunk
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
@@ -296,6 +297,32 @@ async def test_repeated_cleanup_of_unknown_ids_leaves_no_residue(store: Store) -
         await edge.stage1.finish_requests([Request(f"gone{i}-talker", f"gone{i}")])
     assert edge.stage2.residue() == {}
     assert edge.stage1.residue() == {}
+    edge.assert_clean()
+
+
+async def test_a_corrupt_chunk_wakes_its_waiting_consumer_and_its_request_is_not_polled_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    edge = Edge(store)
+    gets: list[str] = []
+
+    async def corrupt(from_stage: str, to_stage: str, key: str, **kwargs: Any) -> None:
+        gets.append(key)
+        raise CorruptChunk(key, "a flipped byte")
+
+    monkeypatch.setattr(edge.c2, "get", corrupt)
+    request = Request("R-code2wav", "R")
+    async with edge.running():
+        await edge.stage2.load_async(request)
+        with trio.fail_after(SETTLE_S):  # the wait itself would outlast it if the ring were lost
+            while not edge.stage2.has_receive_failure(request.request_id):
+                await edge.stage2.chunk_ready.wait(10 * SETTLE_S)
+        failed = edge.stage2.collect_failed_receive_request_ids()
+        assert failed == {request.request_id: "the chunk R_1_0 from stage 1 is corrupt: a flipped byte"}
+        assert not edge.stage2.has_receive_failure(request.request_id)
+        await trio.sleep(0.2)  # the receive loop's passes: the failed request is out of its queue
+        assert gets == ["R_1_0"]
+        await edge.stage2.finish_requests([request])
     edge.assert_clean()
 
 

@@ -69,6 +69,17 @@ def test_no_crash_names_the_task_and_the_exception() -> None:
     assert "stage1.save" in message and "KeyError" in message
 
 
+def test_no_stale_consume_wants_a_failed_request_out_of_the_receive_queue() -> None:
+    registered = ("adapter.register", {"stage": 2, "req": "R", "entry": 1})
+    failed = ("adapter.receive_failed", {"stage": 2, "req": "R"})
+    poll = ("adapter.poll", {"stage": 2, "req": "R", "entry": 1, "key": "R_1_0"})
+    assert INVARIANTS["no-stale-consume"].check(world_of(registered, poll, failed)) == []
+    again = ("adapter.register", {"stage": 2, "req": "R", "entry": 2})
+    assert INVARIANTS["no-stale-consume"].check(world_of(registered, failed, again, poll)) == []
+    (message,) = INVARIANTS["no-stale-consume"].check(world_of(registered, failed, poll))
+    assert "polled R_1_0" in message and "after its receive failed (event 1)" in message
+
+
 def test_a_probe_finding_counts_for_its_own_invariant_only() -> None:
     world = world_of(("probe.failed", {"invariant": "samples-exactly-once", "message": "A: 10 samples, want 12"}))
     assert check(world, ["samples-exactly-once", "no-crash"]) == [

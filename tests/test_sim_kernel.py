@@ -527,6 +527,7 @@ def test_fault_nth_hit_and_point_table() -> None:
         "store_full": "shm.put.locked",
         "put_raise_after_create": "shm.put.written",
         "decode_fail": "shm.get.consumed",
+        "get_raise": "shm.get.begin",
         "enospc_inodes": "shm.put.begin",
         "foreign_name": "shm.put.locked",
         "crash_writer": "shm.put.written",

@@ -56,7 +56,7 @@ class ChunkTransferAdapter:
             name=name,
         )
         self.receiver = ChunkReceiver(connector, worker_type=worker_type, serials=serials, name=name)
-        #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
+        #: Notified whenever a chunk is committed or a receive failed (see the receiver's).
         self.chunk_ready = self.receiver.chunk_ready
 
     @property
@@ -133,6 +133,10 @@ class ChunkTransferAdapter:
     async def cleanup_receiver(self, request_id: str) -> None:
         """Forget every receiver structure of ``request_id``; idempotent, keeps no tombstone."""
         await self.receiver.cleanup_receiver(request_id)
+
+    def has_receive_failure(self, request_id: str) -> bool:
+        """True while a receive failure of ``request_id`` waits to be collected."""
+        return self.receiver.has_receive_failure(request_id)
 
     def collect_failed_receive_request_ids(self) -> dict[str, str]:
         return self.receiver.collect_failed_receive_request_ids()

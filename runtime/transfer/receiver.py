@@ -122,7 +122,8 @@ class ChunkReceiver:
         #: AR mode: the committed payload of each ready request, applied by the scheduler.
         self._pending_ar_prompt_updates: dict[str, dict[str, Any]] = {}
         self._recv_cond = k.signal(f"{name}.recv")
-        #: Notified whenever a chunk is committed, so a scheduler can wait instead of spinning.
+        #: Notified whenever a chunk is committed or a request's chunk will never come (its
+        #: receive failed), so a consumer can wait instead of spinning.
         self.chunk_ready = k.signal(f"{name}.chunk_ready")
 
         #: The failure side channel: request id -> first reason, drained by the orchestrator.
@@ -265,6 +266,11 @@ class ChunkReceiver:
         """A chunk of ``request_id`` will never arrive (it was corrupt, or its producer died)."""
         current_kernel().note("adapter.receive_failed", stage=self.stage_id, req=request_id)
         self._receive_failures.setdefault(request_id, reason)
+
+    def has_receive_failure(self, request_id: str) -> bool:
+        """True while a failure of ``request_id`` waits to be collected: a consumer waiting on
+        :attr:`chunk_ready` for its chunk stops waiting (it is rung for failures too)."""
+        return request_id in self._receive_failures
 
     def collect_failed_receive_request_ids(self) -> dict[str, str]:
         failed = dict(self._receive_failures)
