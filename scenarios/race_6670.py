@@ -135,12 +135,7 @@ async def parked_session_after_segment(world: World) -> None:
     issue="spec §2.11 (the request-level sweep) at shutdown; omnisim issue 11 (a blind spot of the mutation score)",
 )
 async def release_after_stage_stop(world: World) -> None:
-    req = EdgeRequest(world, "R")
-    req.stream.allowed_outcomes = frozenset({"aborted"})
-    await produce(req, [4, 3], finish=False)  # nobody reads them
-    await abort(req)
-    req.talker.adapter.shutdown()  # the save loop runs its queued reclaim, then ends
-    await current_kernel().sleep(1.0)
+    req = await abort_then_stop_talker(world, put_first=False)
     await release(req)
 
 
@@ -152,10 +147,19 @@ async def release_after_stage_stop(world: World) -> None:
     issue="spec §3.5 (the exact-range reclaim) at shutdown; omnisim issue 11 (a blind spot of the mutation score)",
 )
 async def stop_with_queued_reclaim(world: World) -> None:
+    await abort_then_stop_talker(world, put_first=True)
+
+
+async def abort_then_stop_talker(world: World, *, put_first: bool) -> EdgeRequest:
+    """Request R sends two chunks nobody reads and is aborted, and the Talker stops right after
+    the abort: its save loop ends with whatever the abort queued. ``put_first``: both chunks are
+    put before the abort, so the abort has a reclaim to queue."""
     req = EdgeRequest(world, "R")
     req.stream.allowed_outcomes = frozenset({"aborted"})
-    await produce(req, [4, 3], finish=False)  # nobody reads them
-    await current_kernel().sleep(0.5)  # both are put
+    await produce(req, [4, 3], finish=False)
+    if put_first:
+        await current_kernel().sleep(0.5)
     await abort(req)
-    req.talker.adapter.shutdown()
+    req.talker.adapter.shutdown()  # the save loop runs its queued reclaim, then ends
     await current_kernel().sleep(1.0)
+    return req

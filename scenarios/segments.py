@@ -68,7 +68,7 @@ async def streaming_segments(world: World) -> None:
         offset = 0
         for i, save in enumerate(SAVES):
             if req.stream.outcome != "open":
-                break
+                break  # the request failed (a sampled fault): a scheduler saves nothing more for it
             if i == len(SAVES) - 1:
                 req.sender.resumable = False
                 req.sender.status = RequestStatus.FINISHED_STOPPED
@@ -91,11 +91,6 @@ async def streaming_segments(world: World) -> None:
             current_kernel().note(
                 "sender.answer", req=req.sender.request_id, got=answer(queued), want=answer(save.admitted)
             )
-        if req.stream.outcome not in ("open", "finished"):
-            # The request failed (a sampled fault): like a scheduler applying an abort at its next
-            # step, the producer finishes it, along with a save it queued while the failure's
-            # cleanup ran beside it (a real scheduler never saves during its own abort).
-            await req.talker.adapter.finish_requests([req.sender])
 
     await together(("S.consume", lambda: consume(req)), ("S.produce", produce))
     await release(req)
