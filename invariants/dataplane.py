@@ -35,7 +35,8 @@ def no_corrupt_accept(world: ObservedWorld) -> list[str]:
 
 @invariant(
     "no-residue-after-sweep",
-    "a sweep removes every name of a namespace whose owner is dead, and none of a namespace whose owner lives",
+    "a sweep removes every name of a namespace whose owner is dead, and none of a namespace whose owner lives; "
+    "a process's own sweep as it exits removes every name of its namespace but the ones that are not ours",
 )
 def no_residue_after_sweep(world: ObservedWorld) -> list[str]:
     out = []
@@ -46,6 +47,12 @@ def no_residue_after_sweep(world: ObservedWorld) -> list[str]:
         elif ev.name == "sweep.removed" and str(ev.attrs["ns"]) not in dead_at:
             out.append(f"the sweep removed {ev.attrs['name']}, of namespace {ev.attrs['ns']} whose owner lives")
     for snap in world.snapshots:
+        if snap.label == "at exit":
+            out.extend(
+                f"the exit sweep of {name} by its owner left {', '.join(store.names[:5])}"
+                for name, store in snap.stores.items()
+                if store.names
+            )
         if snap.label != "after sweep":
             continue
         for name, store in snap.stores.items():
@@ -90,6 +97,19 @@ def bad_input_refused(world: ObservedWorld) -> list[str]:
     return [
         f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
         for e in world.missed_expectations("input.case")
+    ]
+
+
+@invariant(
+    "foreign-names-untouched",
+    "what a hostile or careless user left in /dev/shm next to the run's names (another user's FIFO, a file or a "
+    "symlink where a FIFO or a folder of ours belongs, a folder that is not ours) is never written to, followed or "
+    "removed; a FIFO of ours with no reader (a dead receiver's) is removed (checked by the hostile-/dev/shm scenario)",
+)
+def foreign_names_untouched(world: ObservedWorld) -> list[str]:
+    return [
+        f"{e.attrs['what']}: it was {e.attrs['got']}, it must be {e.attrs['want']}"
+        for e in world.missed_expectations("shm.planted")
     ]
 
 

@@ -181,11 +181,11 @@ def no_lost_wakeup(world: ObservedWorld) -> list[str]:
     for ev in world.trace:
         if ev.name == "kernel.timeout" and ev.attrs.get("missed"):
             out.append(
-                f"{ev.task} sat out its wait on {str(ev.attrs['on']).removeprefix('signal:')} "
+                f"{ev.task} sat out its wait on {str(ev.attrs['on']).split(':', 1)[-1]} "
                 "though what it waited for was already there: nothing notified it"
             )
-        if ev.name == "kernel.wait" and (on := str(ev.attrs.get("on", ""))).startswith("signal:wakeup."):
-            waiting[ev.task] = on.removeprefix("signal:wakeup.")
+        if ev.name == "kernel.wait" and (stage := _stage_woken_by(str(ev.attrs.get("on", "")))) is not None:
+            waiting[ev.task] = stage
             missed.pop(ev.task, None)
         elif ev.name == "shm.put.wake":
             for task, stage in waiting.items():
@@ -195,9 +195,17 @@ def no_lost_wakeup(world: ObservedWorld) -> list[str]:
             del waiting[ev.task]
             key = missed.pop(ev.task, None)
             if key is not None and ev.name == "kernel.timeout":
-                on = str(ev.attrs.get("on", ""))
                 out.append(
-                    f"{ev.task} sat out its wait for stage {on.removeprefix('signal:wakeup.')}'s wakeup "
-                    f"though {key} was put for that stage while it waited"
+                    f"{ev.task} sat out its wait for stage {_stage_woken_by(str(ev.attrs.get('on', '')))}'s "
+                    f"wakeup though {key} was put for that stage while it waited"
                 )
     return out
+
+
+def _stage_woken_by(on: str) -> str | None:
+    """The stage whose arrival wakeup a wait ``on`` that is waits for: a signal of the wakeups of
+    one process, or a FIFO of the wakeups across processes; None for any other wait."""
+    for prefix in ("signal:wakeup.", "readable:wakeup."):
+        if on.startswith(prefix):
+            return on.removeprefix(prefix)
+    return None

@@ -77,6 +77,12 @@ class StoreSnapshot:
     ring_frames: list[str] = field(default_factory=list)
     #: The namespace's spare segments (consumed segments kept for its producer's next puts).
     spares: list[str] = field(default_factory=list)
+    #: The FIFOs of live receivers in the namespace's wakeup folder, by stage (a dead process's
+    #: stay until a put to its stage finds them without a reader), and the folder if it is empty.
+    wakeup_fifos: list[str] = field(default_factory=list)
+    #: Every name of the namespace still there, in the snapshot taken after its owner's own sweep
+    #: as it exits (``omnisim-{namespace}-…`` in /dev/shm, or the memory store's equivalents).
+    names: list[str] = field(default_factory=list)
 
 
 #: The snapshots taken once the world went idle: everything a request held must be gone there.
@@ -91,6 +97,12 @@ class Snapshot:
     label: str
     stores: dict[str, StoreSnapshot]
     residue: dict[str, dict[str, list[str]]]
+    #: What the descriptors the run opened and left open point at (taken at exit, in a world
+    #: where no process died: a dead process's are the OS's to close, which a simulator cannot).
+    open_descriptors: list[str] = field(default_factory=list)
+    #: Each live stage's health counters, as its connector reports them and as counted from
+    #: outside: stage -> counter -> (reported, counted) (taken at shutdown).
+    health: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def settled(self) -> bool:

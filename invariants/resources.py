@@ -21,8 +21,8 @@ def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
 @invariant(
     "no-orphan-shm",
     "no segment of the run's namespace, and no ring frame holding a chunk nobody takes, exists at quiescence or "
-    f"after shutdown; a namespace keeps at most {SPARES_KEPT} spare segments; no ring and no spare outlives its "
-    "connector",
+    f"after shutdown; a namespace keeps at most {SPARES_KEPT} spare segments; no ring, no spare and no live "
+    "receiver's wakeup FIFO outlives its connector",
 )
 def no_orphan_shm(world: ObservedWorld) -> list[str]:
     out = _store_leftovers(world, "segment")
@@ -39,6 +39,7 @@ def no_orphan_shm(world: ObservedWorld) -> list[str]:
             if snap.label == "shutdown":
                 out.extend(f"ring {name} of the {store} store still exists at shutdown" for name in contents.rings)
                 out.extend(f"spare {name} of the {store} store still exists at shutdown" for name in contents.spares)
+                out.extend(f"{name} of the {store} store still exists at shutdown" for name in contents.wakeup_fifos)
     return out
 
 
@@ -46,11 +47,11 @@ def no_orphan_shm(world: ObservedWorld) -> list[str]:
     "no-leaked-handle",
     "every segment and lock file the runtime opened is closed again by quiescence, and every ring by shutdown: a "
     "handle left open keeps a file descriptor, and a removed segment's memory, for as long as the process lives "
-    "(a process that died closed its own)",
+    "(a process that died closed its own); and once every process exited, no descriptor the run opened is open",
 )
 def no_leaked_handle(world: ObservedWorld) -> list[str]:
     # A ring is mapped for as long as its connector lives: only shutdown must find it closed.
-    return [
+    out = [
         f"{handle} of the {store} store is still open at {snap.label}"
         for snap in world.snapshots
         if snap.settled
@@ -58,6 +59,9 @@ def no_leaked_handle(world: ObservedWorld) -> list[str]:
         for handle in contents.open_handles
         if snap.label == "shutdown" or not handle.startswith("ring ")
     ]
+    for snap in world.snapshots:
+        out.extend(f"a descriptor on {what} is still open {snap.label}" for what in snap.open_descriptors)
+    return out
 
 
 @invariant(
@@ -96,3 +100,18 @@ def no_tombstones(world: ObservedWorld) -> list[str]:
                     shown = ", ".join(left[:5]) + (f", … ({len(left)} in all)" if len(left) > 5 else "")
                     out.append(f"{component}.{structure} still holds {shown} at {snap.label}")
     return out
+
+
+@invariant(
+    "health-counts-true",
+    "a stage's health report (its connector's counters) counts what the connector did: every put that succeeded, "
+    "the bytes of each, every get that took a chunk",
+)
+def health_counts_true(world: ObservedWorld) -> list[str]:
+    return [
+        f"{stage} reports {counter} = {reported} at {snap.label}, but {counted} happened"
+        for snap in world.snapshots
+        for stage, counters in snap.health.items()
+        for counter, (reported, counted) in counters.items()
+        if reported != counted
+    ]

@@ -19,6 +19,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from invariants import Violation, check
 from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
+from omnisim.devshm import sweep_made_stores
 from omnisim.faults import Fault, FaultPlan, UnknownFaultError, fixed_fault
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.shrink import Shrunk, shrink
@@ -30,7 +31,6 @@ from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
-from omnisim.world import sweep_made_stores
 from runtime.kernel import use_kernel
 
 STRATEGIES = ("random", "pct", "ordered", "hypothesis", "dfs")

@@ -45,6 +45,7 @@ DEFAULT_INVARIANTS = (
     "failures-have-causes",
     "no-lost-wakeup",
     "no-corrupt-accept",
+    "health-counts-true",
     "merged-as-spec",
     "sender-contract",
     "ring-before-segments",

@@ -23,6 +23,8 @@ it, and whatever it raises while the world is unwound at the end is not the runt
 from __future__ import annotations
 
 import contextvars
+import math
+import select
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -84,6 +86,14 @@ def _only_cancelled(e: BaseException) -> bool:
     return isinstance(e, trio.Cancelled)
 
 
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has something to read now; a descriptor closed meanwhile never does (as
+    epoll forgets a closed one: its waiter sits out its timeout)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(events & select.POLLIN for _, events in poller.poll(0))
+
+
 @dataclass(eq=False)
 class SimTask:
     """A logical task. ``pending`` is the point it waits at, which the strategy may inspect."""
@@ -100,6 +110,8 @@ class SimTask:
     waiting_for: str = ""
     wake_at: int | None = None
     notified: bool = False
+    #: The descriptor it waits to become readable (see ``SimKernel.wait_readable``).
+    readable_fd: int | None = None
     #: Cancelled to unwind the task once it was killed and its group moves on.
     scope: trio.CancelScope | None = None
     #: A killed task's trio task was let go (see ``SimKernel._unwind``).
@@ -302,6 +314,8 @@ class SimKernel:
         self.dead_processes: set[str] = set()
         #: Stopped processes (SIGSTOP): process -> when it continues (virtual microseconds).
         self._paused: dict[str, int] = {}
+        #: Tasks waiting for a descriptor to become readable, in the order they began to wait.
+        self._fd_waiters: list[SimTask] = []
         #: Virtual seconds one model computation takes (0: computing takes no time).
         self.compute_cost_s = 0.0
 
@@ -472,6 +486,8 @@ class SimKernel:
             self.steps += 1
             if self.steps > self.max_steps:
                 return self._stop("step-limit", f"more than {self.max_steps} scheduling steps")
+            if self._fd_waiters:
+                self._wake_readable()
             ready = [t for t in self.tasks if t.state == READY]
             if self._paused:
                 ready = [t for t in ready if self._paused.get(t.process, 0) <= self.clock_us]
@@ -502,6 +518,17 @@ class SimKernel:
                 if t.wake_at is not None and t.wake_at <= self.clock_us:
                     t.wake_at = None
                     t.state = READY
+
+    def _wake_readable(self) -> None:
+        """Make runnable every task whose descriptor became readable. Only the world's own tasks
+        write to those descriptors (a FIFO of the wakeup bus), so what is readable at a step is
+        fixed by the schedule so far: the same choices give the same wakes."""
+        self._fd_waiters = [t for t in self._fd_waiters if t.state == SLEEPING]
+        for task in self._fd_waiters:
+            if task.readable_fd is not None and _readable(task.readable_fd):
+                task.state = READY
+                task.wake_at = None
+                task.notified = True
 
     def _unwind(self, task: SimTask) -> None:
         """Let the trio task of killed ``task`` end. Nothing it does reaches the world any more
@@ -599,9 +626,32 @@ class SimKernel:
             await self.sleep(self.compute_cost_s)
         return result
 
-    async def wait_readable(self, fd: int, timeout: float) -> bool:
-        await self.sleep(timeout)
-        return False
+    async def wait_readable(
+        self, fd: int, timeout: float, *, name: str = "", ready: Callable[[], bool] | None = None
+    ) -> bool:
+        if not math.isfinite(timeout) or timeout <= 0:
+            return False  # as the real kernel: no wait at all
+        me = self._me()
+        me.notified = False
+        me.state = SLEEPING
+        me.wake_at = self.clock_us + _us(timeout)
+        me.readable_fd = fd
+        # Named by what it stands for, not its number: descriptors differ from run to run.
+        on = f"readable:{name}"
+        me.waiting_for = f"{on} (timeout {timeout}s)"
+        self._fd_waiters.append(me)
+        self._emit(me, "kernel.wait", {"on": on})
+        await self._yield(me)
+        me.readable_fd = None
+        # Readable by the time it runs again: its timeout and a write came at the same instant,
+        # and the write counts (as a signal's notify does until its waiter runs).
+        me.notified = me.notified or _readable(fd)
+        if not me.notified:
+            timed_out: dict[str, Attr] = {"on": on}
+            if ready is not None and ready():
+                timed_out["missed"] = True
+            self._emit(me, "kernel.timeout", timed_out)
+        return me.notified
 
     def stream(self, sock: object) -> KStream:
         raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")

@@ -83,7 +83,7 @@ class _Lives:
         connector = ShmConnector(
             store,
             stage_id=self.spec.stage_id,
-            wakeups=world.wakeups,
+            wakeups=world.wakeups_of(process),
             **world.transport(),
             upstream=world.handle(process, world.store_of(upstream)) if upstream is not None else None,
             upstream_alive=producer_alive if upstream is not None else None,

@@ -5,30 +5,36 @@ stages share the world's own process and its store (in memory, or real /dev/shm 
 namespace), as the stages of one engine process do. A stage added with ``own_process=True`` is a
 process of its own, as a stage of a multi-process deployment is: it writes into a namespace it
 owns, the stage after it reads from there, and :meth:`World.crash` kills it like SIGKILL (see
-:mod:`omnisim.processes`). The world sweeps every namespace afterwards.
+:mod:`omnisim.processes`). In a world made with ``processes=True`` on a POSIX store, each process
+also has the FIFO wakeups a stage process has (spec §2.9), real FIFOs in /dev/shm. Whatever a run
+made there is removed afterwards (see :mod:`omnisim.devshm`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from invariants.dataplane import ring_max_payload, ring_room
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
+from omnisim import devshm
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
 from omnisim.processes import ProcessStore, SimProcesses, corrupt_segment, forge_segment
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
+from runtime.connectors.base import PutResult
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import unread_frames
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
-from runtime.connectors.wakeup import LocalWakeups
+from runtime.connectors.wakeup import FifoWakeups, LocalWakeups, Wakeups
 from runtime.kernel import Attr, current_kernel
 from runtime.stages import StageTransport
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
@@ -43,12 +49,6 @@ SIM_RING = StageTransport(send_ring_bytes=SIM_RING_BYTES, receive_ring=True)
 QUIESCE_S = 0.25
 
 
-#: The namespace of every POSIX store made for a simulated world and not yet swept: chosen
-#: before the store is made, so a run interrupted while its world was being built still has
-#: everything of it removed, by name (see :func:`sweep_made_stores`).
-_made: list[str] = []
-
-
 def make_store(kind: str, owner: Owner | None = None, *, spare_min_bytes: int = 0) -> Store:
     """A fresh namespace of the given kind; ``owner`` is the simulated process that owns it (a
     POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone).
@@ -59,16 +59,9 @@ def make_store(kind: str, owner: Owner | None = None, *, spare_min_bytes: int = 
         return MemoryStore(name, owner=owner, spare_min_bytes=spare_min_bytes)
     if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
-        _made.append(namespace)
+        devshm.made(namespace)
         return PosixStore(namespace, claim=True, spare_min_bytes=spare_min_bytes)
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
-
-
-def sweep_made_stores() -> None:
-    """Remove every name of every namespace :func:`make_store` made."""
-    while _made:
-        PosixStore(_made[-1]).sweep()
-        _made.pop()
 
 
 @dataclass
@@ -88,7 +81,7 @@ PAUSE_S = 3.0
 class World:
     """The stages of one run and the client streams they serve."""
 
-    def __init__(self, store_kind: str) -> None:
+    def __init__(self, store_kind: str, *, processes: bool = False) -> None:
         self.store_kind = store_kind
         self.processes = SimProcesses()
         #: Process name -> its identity, its store, and its handle on that store.
@@ -102,7 +95,17 @@ class World:
         self.add_namespace(self.store, MAIN_PROCESS)
         #: Each simulated process's handles on stores (its own, and the one it reads from).
         self.handles: dict[str, list[ProcessStore]] = {}
+        #: The wakeups of stages that share a process (and of every stage on a store in memory).
         self.wakeups = LocalWakeups()
+        #: Stages in processes of their own on a POSIX store: each process's FIFO wakeups.
+        self._fifo_wakeups = processes and isinstance(self.store, PosixStore)
+        self._buses: dict[str, FifoWakeups] = {}
+        #: The FIFOs dead processes left, and what the scenario planted: none of it is residue.
+        self._dead_fifos: set[str] = set()
+        self._planted_here: set[str] = set()
+        self._descriptors_at_start = devshm.descriptors()
+        #: What each stage's connector did, counted from outside (see :func:`count_transfers`).
+        self._counted: dict[int, dict[str, int]] = {}
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
@@ -156,7 +159,7 @@ class World:
         connector = ShmConnector(
             store,
             stage_id=stage_id,
-            wakeups=self.wakeups,
+            wakeups=self.wakeups_of(process),
             **self.transport(),
             # This stage reads the producer's namespace through its own process's handle: what
             # it holds there goes when this process dies, not when the producer does.
@@ -166,9 +169,84 @@ class World:
         adapter = ChunkTransferAdapter(
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
+        self._counted[stage_id] = count_transfers(connector)
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
+
+    def wakeups_of(self, process: str) -> Wakeups:
+        """The arrival wakeups of a stage in ``process``: the world's one bus, as the stages of one
+        engine process share one; in a world of stage processes on a POSIX store, a FIFO bus of
+        ``process``'s own in the world's namespace, as each stage process makes
+        (:mod:`runtime.stage_process`)."""
+        if not self._fifo_wakeups:
+            return self.wakeups
+        bus = self._buses.get(process)
+        if bus is None:
+            assert isinstance(self.store, PosixStore)
+            bus = self._buses[process] = FifoWakeups(self.store.namespace)
+            devshm.opened(bus)
+        return bus
+
+    def plant(self, name: str) -> str:
+        """The path of ``omnisim-{namespace}-{name}`` in /dev/shm (the world's own namespace), for
+        the scenario to make something there the runtime did not make and must leave alone, as a
+        hostile or careless user would; removed with the namespace at the end of the run."""
+        assert isinstance(self.store, PosixStore), "only a POSIX store has names to plant next to"
+        path = os.path.join(namespaces.SHM_DIR, f"omnisim-{self.store.namespace}-{name}")
+        self._planted_here.add(path)
+        return path
+
+    def _wake_folder(self) -> str:
+        assert isinstance(self.store, PosixStore)
+        return os.path.join(namespaces.SHM_DIR, f"omnisim-{self.store.namespace}-wake")
+
+    def _planted_at(self, store: Store, name: str) -> bool:
+        """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace."""
+        return isinstance(store, PosixStore) and (
+            os.path.join(namespaces.SHM_DIR, f"omnisim-{store.namespace}-{name}") in self._planted_here
+        )
+
+    def _live_fifos(self) -> list[str]:
+        """The live receivers' FIFOs in the world's wakeup folder (see ``wakeup_fifos``)."""
+        if not self._fifo_wakeups:
+            return []
+        return devshm.receivers_fifos(self._wake_folder(), self._dead_fifos | self._planted_here)
+
+    def _check_owner_records(self) -> None:
+        """Every POSIX namespace of the run records this process as its owner (the simulated
+        processes are threads of it): an operator's sweep judges a namespace by its record."""
+        me = devshm.this_process()
+        for namespace, (store, _) in self.namespaces.items():
+            if isinstance(store, PosixStore):
+                recorded = store.owner()
+                self.probe(
+                    "no-residue-after-sweep",
+                    recorded == me,
+                    f"the owner record of namespace {namespace} reads {recorded}, not the process that made it, {me}",
+                )
+
+    def _check_wakeups_available(self) -> None:
+        """On a wakeup folder that is ours, every live stage that receives listens on a FIFO of its
+        own by quiescence (its receive loop asked for its wakeups on its first pass): without one,
+        every put to it goes unheard and it only polls."""
+        if not self._fifo_wakeups:
+            return
+        try:
+            st = os.lstat(self._wake_folder())
+        except FileNotFoundError:
+            st = None
+        if st is not None and not (stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700):
+            return  # a scenario planted a folder that is not ours: wakeups are rightly unavailable
+        listening = set(self._live_fifos())
+        for stage in self.stages.values():
+            if stage.adapter.receives_chunks and self.alive(stage.process):
+                self.probe(
+                    "no-lost-wakeup",
+                    f"the wakeup FIFO of stage {stage.stage_id}" in listening,
+                    f"stage {stage.stage_id} has no wakeup FIFO at quiescence, though the wakeup folder is ours: "
+                    "every put to it goes unheard, and it only polls",
+                )
 
     def transport(self) -> dict[str, Any]:
         """How a stage's connector sends and receives on this world's store."""
@@ -275,6 +353,9 @@ class World:
         self.processes.kill(self.owners[process])
         for handle in self.handles[process]:
             handle.die()
+        bus = self._buses.pop(process, None)
+        if bus is not None:
+            self._dead_fifos |= devshm.lose_descriptors(bus)
         self.deaths[process] = kernel.now()
         for namespace, (_, owner) in self.namespaces.items():
             if owner == process:
@@ -350,13 +431,19 @@ class World:
                 store.lock_files(),
                 owner_dead=process in dead,
                 open_handles=store.open_handles(),
-                rings=store.rings(),
+                rings=[edge for edge in store.rings() if not self._planted_at(store, f"ring-{edge}")],
                 ring_frames=unread_frames(store),
                 spares=store.spares(),
+                wakeup_fifos=self._live_fifos() if store is self.store else [],
             )
             for namespace, (store, process) in self.namespaces.items()
         }
-        self.snapshots.append(Snapshot(label, stores, residue))
+        health = {
+            f"stage{sid}": {name: (int(stage.connector.health()[name]), n) for name, n in self._counted[sid].items()}
+            for sid, stage in self.stages.items()
+            if stage.process not in dead and label == "shutdown"
+        }
+        self.snapshots.append(Snapshot(label, stores, residue, health=health))
 
     async def run(self, body: Callable[[World], Awaitable[None]]) -> None:
         """Start every service, run the workload, let the world go idle, snapshot, shut down."""
@@ -375,9 +462,37 @@ class World:
             if self.settle is not None:
                 await self.settle()
             self.snapshot("quiescence")
+            self._check_wakeups_available()
+            self._check_owner_records()
             for _, shutdown, _ in self.services.values():
                 shutdown()
         self.snapshot("shutdown")
+        self._sweep_at_exit()
+
+    def _sweep_at_exit(self) -> None:
+        """What each live process does as it exits (a stage process, the head, see
+        :mod:`runtime.stage_process`): it sweeps its own namespace. Snapshot ``at exit``: what is
+        left of those namespaces (a dead process's waits for an operator's sweep)."""
+        left = {}
+        for namespace, (store, process) in self.namespaces.items():
+            if process and self.alive(process):
+                store.sweep()
+                left[f"{self.store_kind} {namespace}"] = StoreSnapshot([], [], names=self._names_of(store))
+        opened = [] if self.deaths else devshm.opened_since(self._descriptors_at_start)
+        self.snapshots.append(Snapshot("at exit", left, {}, opened))
+
+    def _names_of(self, store: Store) -> list[str]:
+        """Every name ``store``'s namespace holds, but what the scenario planted."""
+        if isinstance(store, PosixStore):
+            stem = f"omnisim-{store.namespace}-"
+            return sorted(
+                name
+                for name in os.listdir(namespaces.SHM_DIR)
+                if name.startswith(stem) and os.path.join(namespaces.SHM_DIR, name) not in self._planted_here
+            )
+        names = [f"segment {k}" for k in store.segments()] + [f"lock {k}" for k in store.lock_files()]
+        names += [f"ring {k}" for k in store.rings()] + [f"spare {k}" for k in store.spares()]
+        return names + (["owner"] if store.owner() is not None else [])
 
     def observed(self, outcome: SimOutcome) -> ObservedWorld:
         return ObservedWorld(
@@ -430,6 +545,29 @@ class World:
             finally:
                 memory.close()
         return out
+
+
+def count_transfers(connector: ShmConnector) -> dict[str, int]:
+    """Count, from outside, what ``connector`` reports in its health: the puts that succeeded and
+    their bytes, the gets that took a chunk. The counts, kept up to date."""
+    counted = {"puts": 0, "bytes_transferred": 0, "gets": 0}
+    put, get = connector.put, connector.get
+
+    async def counted_put(*args: Any, **kwargs: Any) -> PutResult:
+        result = await put(*args, **kwargs)
+        if result.ok:
+            counted["puts"] += 1
+            counted["bytes_transferred"] += result.size
+        return result
+
+    async def counted_get(*args: Any, **kwargs: Any) -> tuple[Any, int] | None:
+        result = await get(*args, **kwargs)
+        counted["gets"] += result is not None
+        return result
+
+    connector.put = counted_put  # type: ignore[method-assign]
+    connector.get = counted_get  # type: ignore[method-assign]
+    return counted
 
 
 class _WorldDirectory:

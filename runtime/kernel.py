@@ -119,8 +119,13 @@ class Kernel(Protocol):
         of the process — the other stages, heartbeats, the control plane — goes on meanwhile."""
         ...
 
-    async def wait_readable(self, fd: int, timeout: float) -> bool:
-        """Wait until ``fd`` is readable or ``timeout`` passes; True if readable."""
+    async def wait_readable(
+        self, fd: int, timeout: float, *, name: str = "", ready: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait until ``fd`` is readable or ``timeout`` passes; True if readable. ``name`` says what
+        the descriptor stands for, as a signal's name does; ``ready``: what else the caller waits
+        for, as for :meth:`KSignal.wait` (a timeout while it holds missed a wakeup). Production
+        ignores both."""
         ...
 
     def stream(self, sock: socket.socket) -> KStream:

@@ -145,7 +145,9 @@ class RealKernel:
             return await trio.to_thread.run_sync(fn)
         return fn()
 
-    async def wait_readable(self, fd: int, timeout: float) -> bool:
+    async def wait_readable(
+        self, fd: int, timeout: float, *, name: str = "", ready: Callable[[], bool] | None = None
+    ) -> bool:
         if not math.isfinite(timeout) or timeout <= 0:
             return False
         with trio.move_on_after(timeout):

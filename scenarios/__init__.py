@@ -6,6 +6,7 @@ from scenarios import (  # noqa: F401
     crash,
     generation_merge,
     hostile,
+    hostile_shm,
     input_wait,
     mutants_4855,
     mutants_6670,

@@ -77,20 +77,25 @@ def crash_scenario(
     own: int,
     faults: Callable[[Params], FaultPlan | None],
     params: tuple[Param, ...] = (),
+    prepare: Callable[[World, Params], None] | None = None,
+    invariants: tuple[str, ...] = DATA_PLANE,
     **kwargs: Any,
 ) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register a data-plane scenario at the edge, with stage ``own`` in a process of its own
-    and the fault plan ``faults`` builds from the run's configuration."""
+    and the fault plan ``faults`` builds from the run's configuration; ``prepare`` readies the
+    world before anything of it runs."""
 
     def build(store_kind: str, run_params: Params | None = None) -> World:
-        world = World(store_kind)
+        world = World(store_kind, processes=True)
         world.add_stage(TALKER, processor=synthetic_codec_chunk, receives=False, own_process=own == TALKER)
         world.add_stage(CODE2WAV, sends=False, own_process=own == CODE2WAV)
+        if prepare is not None:
+            prepare(world, run_params or {})
         world.inject(faults(run_params or {}))
         watch_code2wav(world)
         return world
 
-    return scenario(name, build=build, invariants=DATA_PLANE, params=params, **kwargs)
+    return scenario(name, build=build, invariants=invariants, params=params, **kwargs)
 
 
 # -- the two sides, recording content ------------------------------------------------------------

@@ -222,3 +222,23 @@ def spares_outlive_their_producer() -> Iterator[Patch]:
 )
 def sweep_looks_once() -> Iterator[Patch]:
     yield Patch(namespaces, "_made_meanwhile", lambda directory, namespace: [])
+
+
+_health = ShmConnector.health
+
+
+@mutant(
+    "health_counts_ring_puts_twice",
+    summary="a stage's health report counts a chunk put on the edge's ring twice, once as a put and once more "
+    "among the ring's puts added on top: a dashboard shows more chunks sent than were",
+    issue="omnisim issue 11 (a blind spot of the mutation score: nothing read the health counters)",
+    scenarios=("ring_full_slow_consumer",),
+    expect=("health-counts-true",),
+    store="ring",
+)
+def health_counts_ring_puts_twice() -> Iterator[Patch]:
+    def health(self: ShmConnector) -> dict[str, object]:
+        report = _health(self)
+        return report | {"puts": report["puts"] + report["ring_puts"]}
+
+    yield Patch(ShmConnector, "health", health)

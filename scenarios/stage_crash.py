@@ -72,7 +72,7 @@ def crashed(params: Params) -> tuple[str, str]:
 
 
 def build(store_kind: str, params: Params) -> World:
-    world = World(store_kind)
+    world = World(store_kind, processes=True)
     kernel = current_kernel()
     assert isinstance(kernel, SimKernel)
     kernel.compute_cost_s = MODEL_STEP_S

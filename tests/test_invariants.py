@@ -131,6 +131,44 @@ def test_no_leaked_handle_names_the_handle_the_store_and_the_moment() -> None:
     ]
 
 
+def test_foreign_names_untouched_compares_what_became_of_each_planted_name() -> None:
+    kept = ("shm.planted", {"what": "a file where a FIFO belongs", "got": "left alone", "want": "left alone"})
+    assert INVARIANTS["foreign-names-untouched"].check(world_of(kept)) == []
+    written = ("shm.planted", {"what": "a file where a FIFO belongs", "got": "written to", "want": "left alone"})
+    assert INVARIANTS["foreign-names-untouched"].check(world_of(kept, written)) == [
+        "a file where a FIFO belongs: it was written to, it must be left alone"
+    ]
+
+
+def test_the_exit_sweep_must_leave_nothing_and_a_live_receivers_fifo_must_go_by_shutdown() -> None:
+    from invariants.observed import Snapshot, StoreSnapshot
+
+    def world(fifos: list[str], left: list[str]) -> ObservedWorld:
+        shutdown = Snapshot("shutdown", {"posix ns0": StoreSnapshot([], [], wakeup_fifos=fifos)}, {})
+        at_exit = Snapshot("at exit", {"posix ns0": StoreSnapshot([], [], names=left)}, {})
+        return ObservedWorld(trace=[], snapshots=[shutdown, at_exit], streams={}, crashes=[])
+
+    assert INVARIANTS["no-orphan-shm"].check(world([], [])) == []
+    assert INVARIANTS["no-residue-after-sweep"].check(world([], [])) == []
+    assert INVARIANTS["no-orphan-shm"].check(world(["the wakeup FIFO of stage 2"], [])) == [
+        "the wakeup FIFO of stage 2 of the posix ns0 store still exists at shutdown"
+    ]
+    assert INVARIANTS["no-residue-after-sweep"].check(world([], ["omnisim-ab12-wake"])) == [
+        "the exit sweep of posix ns0 by its owner left omnisim-ab12-wake"
+    ]
+
+
+def test_health_counts_true_compares_each_counter_with_what_happened() -> None:
+    from invariants.observed import Snapshot
+
+    def world(reported: int) -> ObservedWorld:
+        shutdown = Snapshot("shutdown", {}, {}, health={"stage1": {"puts": (reported, 3), "gets": (0, 0)}})
+        return ObservedWorld(trace=[], snapshots=[shutdown], streams={}, crashes=[])
+
+    assert INVARIANTS["health-counts-true"].check(world(3)) == []
+    assert INVARIANTS["health-counts-true"].check(world(4)) == ["stage1 reports puts = 4 at shutdown, but 3 happened"]
+
+
 def test_failures_have_causes_wants_a_fault_or_a_kill_before_a_failure() -> None:
     corrupt = ("shm.get.corrupt", {"key": "R_1_0"})
     assert INVARIANTS["failures-have-causes"].check(world_of(("fault", {"kind": "corrupt_bytes"}), corrupt)) == []

@@ -224,6 +224,49 @@ def test_a_wait_that_times_out_with_what_it_waits_for_there_is_marked_missed() -
     assert timeouts == [{"on": "signal:s"}, {"on": "signal:s", "missed": True}]
 
 
+def test_a_descriptor_wait_wakes_when_another_task_writes_and_times_out_otherwise() -> None:
+    """The FIFO wakeups across processes wait on a descriptor: the simulator wakes the waiter at
+    the first step its descriptor is readable, and a timeout while what it waits for is there is
+    marked missed, as for a signal."""
+    results: list[tuple[str, bool, float]] = []
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+
+    async def main() -> None:
+        k = current_kernel()
+        results.append(("idle", await k.wait_readable(read_fd, 0.25, name="wakeup.2"), k.now()))
+        results.append(("missed", await k.wait_readable(read_fd, 0.25, name="wakeup.2", ready=lambda: True), k.now()))
+
+        async def writer() -> None:
+            await k.sleep(1)
+            os.write(write_fd, b"\0")
+
+        async def waiter() -> None:
+            results.append(("written", await k.wait_readable(read_fd, 10, name="wakeup.2"), k.now()))
+
+        async with k.task_group() as tasks:
+            tasks.start_soon(waiter, name="waiter")
+            tasks.start_soon(writer, name="writer")
+        results.append(("still readable", await k.wait_readable(read_fd, 10, name="wakeup.2"), k.now()))
+
+    try:
+        out = sim().run(main)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert out.stop_reason is None
+    assert results == [
+        ("idle", False, 0.25),
+        ("missed", False, 0.5),
+        ("written", True, 1.5),
+        ("still readable", True, 1.5),
+    ]
+    assert [e.attrs for e in out.trace if e.name == "kernel.timeout"] == [
+        {"on": "readable:wakeup.2"},
+        {"on": "readable:wakeup.2", "missed": True},
+    ]
+
+
 # -- stops: deadlock, horizon, crash -----------------------------------------------------------
 
 

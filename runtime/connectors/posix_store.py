@@ -554,6 +554,8 @@ class PosixStore:
                 except FileNotFoundError:
                     continue
                 except OSError as e:
+                    if e.errno == errno.ENOTEMPTY:
+                        continue  # a folder holding names that are not ours: left alone with them
                     raise _store_error("sweep", entry.name, e) from None
                 removed.append(entry.name)
         return removed

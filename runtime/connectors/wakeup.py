@@ -99,6 +99,12 @@ class LocalWakeups:
         return None
 
 
+def _our_fifo(st: os.stat_result) -> bool:
+    """Whether a name in the wakeup folder is a receiver's FIFO: a FIFO of this user. Nothing
+    else there is written to or removed (a file, a symlink, another user's FIFO)."""
+    return stat.S_ISFIFO(st.st_mode) and st.st_uid == os.geteuid()
+
+
 class _FifoReceiver:
     def __init__(self, path: str, read_fd: int, hold_fd: int) -> None:
         self.path = path
@@ -136,12 +142,14 @@ class FifoWakeups:
         self.directory = os.path.join(shm_dir, f"omnisim-{namespace}-wake")
         self._receivers: dict[str, _FifoReceiver] = {}
         self._closed = False
-        self._directory_ours = False
+        #: Whether the folder is ours: None until a first look; a folder refused stays refused
+        #: (a poll loop asks every pass, and would warn every pass).
+        self._directory_ours: bool | None = None
 
     def _own_directory(self) -> bool:
         """Make the folder, or accept an existing one only if it is ours."""
-        if self._directory_ours:
-            return True
+        if self._directory_ours is not None:
+            return self._directory_ours
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.directory, 0o700)
         try:
@@ -198,7 +206,6 @@ class FifoWakeups:
             names = os.listdir(self.directory)
         except OSError:
             return
-        uid = os.geteuid()
         for name in names:
             if not name.startswith(f"{to_stage}_"):
                 continue
@@ -208,11 +215,11 @@ class FifoWakeups:
             except OSError as e:
                 if e.errno == errno.ENXIO:  # no reader: its process died (see _receiver)
                     with contextlib.suppress(OSError):
-                        os.unlink(path)
+                        if _our_fifo(os.lstat(path)):  # another user's is not ours to remove
+                            os.unlink(path)
                 continue
             try:
-                st = os.fstat(fd)
-                if stat.S_ISFIFO(st.st_mode) and st.st_uid == uid:
+                if _our_fifo(os.fstat(fd)):
                     os.write(fd, b"\0")
             except OSError:
                 pass
@@ -235,7 +242,9 @@ class FifoWakeups:
         rx = self._receivers.get(stage)
         if rx is None or self._closed:
             return False
-        arrived = rx.counter == generation and (rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout))
+        arrived = rx.counter == generation and (
+            rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout, name=f"wakeup.{stage}", ready=ready)
+        )
         if arrived:
             rx.drain()
             rx.counter += 1

@@ -1,0 +1,266 @@
+"""What a hostile or careless user leaves in /dev/shm where the runtime's names go.
+
+/dev/shm is shared by every user of the machine, so what sits at a name the runtime means to
+use may be anything. Two places are planted here, before anything of the world runs:
+
+* ``hostile_wakeup_names`` — the folder of the cross-process wakeups
+  (``omnisim-{namespace}-wake/``, spec §2.9, :class:`runtime.connectors.wakeup.FifoWakeups`): a
+  file, a symlink or another user's FIFO where a receiver's FIFO belongs, a folder that is not
+  ours, or a symlink in its place. None of it is written to, followed or removed (wakeups there
+  are then unavailable and receivers keep polling); only a FIFO of ours with no reader (a dead
+  receiver's) goes.
+* ``hostile_ring_name`` — the name of an edge's ring: a file others may read, a symlink (both left
+  alone: the edge goes over segments), or a file of ours that holds no ring (replaced; no reader
+  takes a frame from it).
+
+Requests still finish with every frame. At the end the scenario notes, for each planted name,
+what became of it (``shm.planted``), which ``foreign-names-untouched`` compares with what must.
+Another user's FIFOs can only be made by root; elsewhere those two cases are left out. On the
+memory store there is no /dev/shm to plant in: the requests run alone.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from omnisim import devshm
+from omnisim.registry import Param, Params, Patch, ScenarioBody, mutant
+from omnisim.sim_kernel import MAIN_PROCESS
+from omnisim.world import World
+from runtime.connectors import ring as rings
+from runtime.connectors import wakeup
+from runtime.connectors.posix_store import PosixStore
+from runtime.kernel import current_kernel
+from scenarios.crash import CHUNKS, DATA_PLANE, crash_scenario, in_process, receive, send
+from scenarios.edge import CODE2WAV, TALKER, EdgeRequest
+
+PLANT = Param(
+    "plant",
+    ("names_in_folder", "foreign_folder", "symlinked_folder"),
+    "what sits where the wakeups live: strange names in the wakeup folder, a folder that is not ours, a symlink",
+)
+#: Another user, for what a hostile user owns (only root can give a file away).
+STRANGER = 65534
+LEFT_ALONE = "left alone"
+GONE = "gone"
+#: A planted file's size at a ring's name: as large as a small ring, all of it no ring's header.
+RING_GARBAGE_BYTES = 4096
+#: How long R's Talker computes before each chunk: longer than a receiver waits for its wakeup
+#: (50 ms), so only S's registration can end Code2Wav's wait early; S's Talker puts all its
+#: chunks at once, and S registers for the first a while later.
+SLOW_PRODUCER_S = 0.12
+QUICK_CONSUMER_DELAY_S = 0.03
+
+
+@dataclass
+class Planted:
+    """One name planted in /dev/shm, what it was when planted, and what must become of it."""
+
+    what: str
+    path: str
+    want: str
+    before: str
+    #: A descriptor on its read end the scenario holds (a FIFO with a reader): must stay empty.
+    reader: int | None = None
+
+    def now(self) -> str:
+        state = _state(self.path)
+        if self.want == GONE:
+            return GONE if state == GONE else f"still there ({state})"
+        if state != self.before:
+            return f"changed from {self.before} to {state}"
+        if self.reader is not None and _has_bytes(self.reader):
+            return "written to"
+        return LEFT_ALONE
+
+
+def _state(path: str) -> str:
+    """What is at ``path``, as far as anyone could tell it was changed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return GONE
+    kind, mode = stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        inside = os.readlink(path)
+    elif stat.S_ISREG(st.st_mode):
+        with open(path, "rb") as f:
+            inside = repr(f.read())
+    elif stat.S_ISDIR(st.st_mode):
+        inside = repr(sorted(os.listdir(path)))
+    else:
+        inside = ""
+    return f"type {kind:o} mode {mode:o} uid {st.st_uid} {inside}".rstrip()
+
+
+def _has_bytes(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 1))
+    except BlockingIOError:
+        return False
+
+
+def _regular_file(path: str, content: bytes, mode: int = 0o600) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    os.write(fd, content)
+    os.close(fd)
+    os.chmod(path, mode)  # whatever the umask left
+    return path
+
+
+def hostile_scenario(
+    name: str, *, prepare: Callable[[World, Params], None], **kwargs: Any
+) -> Callable[[ScenarioBody], ScenarioBody]:
+    """Register a scenario of this module: ``prepare`` plants the names before anything of the
+    world runs, nothing is injected, and what became of the names is checked."""
+    invariants = (*DATA_PLANE, "foreign-names-untouched")
+    return crash_scenario(name, faults=lambda p: None, prepare=prepare, invariants=invariants, **kwargs)
+
+
+def record(what: str, path: str, want: str = LEFT_ALONE, reader: int | None = None) -> Planted:
+    """``path``, planted just now: what it is, to compare with what it is at the end."""
+    return Planted(what, path, want, _state(path), reader)
+
+
+def plant_names(world: World, params: Params) -> None:
+    """Plant what ``params["plant"]`` says, before any stage made its wakeup folder."""
+    if not isinstance(world.store, PosixStore):
+        return
+    planted: list[Planted] = []
+    folder = world.plant("wake")
+    if params["plant"] == "names_in_folder":
+        os.mkdir(folder, 0o700)  # the folder itself is a good one: the names in it are not
+        bait = _regular_file(world.plant("bait"), b"what a symlink points at")
+        inside = f"{folder}/{CODE2WAV}_"
+        planted.append(record("a file where a receiver's FIFO belongs", _regular_file(f"{inside}file", b"not a FIFO")))
+        os.symlink(bait, f"{inside}link")
+        planted.append(record("a symlink where a receiver's FIFO belongs", f"{inside}link"))
+        planted.append(record("the file that symlink points at", bait))
+        os.mkfifo(f"{inside}dead", 0o600)
+        planted.append(record("a FIFO of ours with no reader (a dead receiver's)", f"{inside}dead", want=GONE))
+        if os.geteuid() == 0:
+            os.mkfifo(f"{inside}stranger", 0o600)
+            os.chown(f"{inside}stranger", STRANGER, STRANGER)
+            planted.append(record("another user's FIFO with no reader", f"{inside}stranger"))
+            os.mkfifo(f"{inside}listening", 0o600)
+            os.chown(f"{inside}listening", STRANGER, STRANGER)
+            reader = devshm.hold(os.open(f"{inside}listening", os.O_RDONLY | os.O_NONBLOCK))
+            planted.append(record("another user's FIFO with a reader", f"{inside}listening", reader=reader))
+    elif params["plant"] == "foreign_folder":
+        os.mkdir(folder, 0o755)
+        os.chmod(folder, 0o755)  # whatever the umask left
+        planted.append(record("a wakeup folder others may look into (mode 755)", folder))
+    else:
+        target = world.plant("bait-folder")
+        os.mkdir(target, 0o700)
+        os.symlink(target, folder)
+        planted.append(record("a symlink where the wakeup folder belongs", folder))
+        planted.append(record("the folder that symlink points at", target))
+    world.observers["planted"] = planted
+
+
+@hostile_scenario(
+    "hostile_wakeup_names",
+    summary="the wakeup folder of a run of stage processes holds a file, a symlink and another user's FIFOs where "
+    "receivers' FIFOs belong, or is not ours (mode 755, a symlink): none of it is written to, followed or "
+    "removed (a dead receiver's FIFO of ours is), and both requests finish with every frame, polling if they must "
+    "(one registers while Code2Wav waits on its FIFO for the other's chunk: the registration wakes it)",
+    issue="omnisim issue 9 (a hostile /dev/shm), issue 11 (a blind spot of the mutation score: FIFO wakeups)",
+    own=TALKER,
+    params=(PLANT,),
+    prepare=plant_names,
+)
+async def hostile_wakeup_names(world: World) -> None:
+    # Code2Wav waits on its FIFO for R's next chunk when S registers for a chunk already there:
+    # the registration must wake that wait, as a put would (spec §2.9).
+    slow, quick = EdgeRequest(world, "R"), EdgeRequest(world, "S")
+    for req in (slow, quick):
+        req.stream.allowed_outcomes = frozenset({"finished"})
+
+    async def quick_consumer() -> None:
+        await current_kernel().sleep(QUICK_CONSUMER_DELAY_S)
+        await receive(quick)
+
+    await in_process(
+        [
+            (MAIN_PROCESS, "R.consume", lambda: receive(slow)),
+            ("stage1", "R.produce", lambda: send(slow, CHUNKS, pause_s=SLOW_PRODUCER_S)),
+            (MAIN_PROCESS, "S.consume", quick_consumer),
+            ("stage1", "S.produce", lambda: send(quick, CHUNKS)),
+        ]
+    )
+    for req in (slow, quick):
+        await req.talker.adapter.release_shm_resources(req.ext)
+    note_planted(world)
+
+
+def note_planted(world: World) -> None:
+    """Note what became of each planted name, for ``foreign-names-untouched``."""
+    for planted in world.observers.get("planted", []):
+        current_kernel().note("shm.planted", what=planted.what, got=planted.now(), want=planted.want)
+
+
+RING_PLANT = Param(
+    "plant",
+    ("foreign_mode", "symlink", "garbage_of_ours"),
+    "what sits at the name of the Talker's ring before it makes one: a file others may read (mode 644), a symlink, "
+    "a file of ours holding no ring",
+)
+
+
+def plant_ring_name(world: World, params: Params) -> None:
+    """Plant what ``params["plant"]`` says at the name of the Talker → Code2Wav ring, in the
+    Talker's namespace (the world's own: the Talker runs in the world's process here)."""
+    if not isinstance(world.store, PosixStore):
+        return
+    planted: list[Planted] = []
+    path = world.plant(f"ring-{rings.edge_name(str(TALKER), str(CODE2WAV))}")
+    content = b"\xff" * RING_GARBAGE_BYTES
+    if params["plant"] == "foreign_mode":
+        _regular_file(path, content, mode=0o644)
+        planted.append(record("a file others may read at the ring's name", path))
+    elif params["plant"] == "symlink":
+        bait = _regular_file(world.plant("bait"), content)
+        os.symlink(bait, path)
+        planted += [record("a symlink at the ring's name", path), record("the file that symlink points at", bait)]
+    else:
+        _regular_file(path, content)  # ours to replace: a ring, or no ring, never frames read from it
+    world.observers["planted"] = planted
+
+
+@hostile_scenario(
+    "hostile_ring_name",
+    summary="the name of the Talker's ring is taken before the Talker makes it: by a file others may read, a symlink, "
+    "or a file of ours holding no ring: the foreign ones are left alone and the edge goes over segments; ours is "
+    "replaced by a ring; no reader takes a frame from what is not a ring, and the request finishes with every frame",
+    issue="omnisim issue 9 (a hostile /dev/shm), issue 13 (the ring's attach checks)",
+    own=CODE2WAV,
+    params=(RING_PLANT,),
+    prepare=plant_ring_name,
+)
+async def hostile_ring_name(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    req.stream.allowed_outcomes = frozenset({"finished"})
+    await in_process(
+        [("stage2", "R.consume", lambda: receive(req)), (MAIN_PROCESS, "R.produce", lambda: send(req, CHUNKS))]
+    )
+    await req.talker.adapter.release_shm_resources(req.ext)
+    note_planted(world)
+
+
+@mutant(
+    "wakeup_writes_to_any_name",
+    summary="a put's wakeup takes whatever it finds in the wakeup folder for a receiver's FIFO: it writes into a "
+    "file there and into another user's FIFO, and removes another user's FIFO that has no reader",
+    issue="omnisim issue 9 (a hostile /dev/shm)",
+    scenarios=("hostile_wakeup_names",),
+    expect=("foreign-names-untouched",),
+    store="posix",
+)
+def wakeup_writes_to_any_name() -> Iterator[Patch]:
+    anything: Callable[[os.stat_result], bool] = lambda st: True  # noqa: E731
+    yield Patch(wakeup, "_our_fifo", anything)
