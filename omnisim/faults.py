@@ -25,7 +25,8 @@ kind                       fires at (default)    what happens
                                                  ``world.PAUSE_S`` (SIGSTOP … SIGCONT), locks held
 ``corrupt_bytes``          ``shm.put.committed`` a byte of the committed segment flips
 ``forged_frame``           ``shm.put.committed`` the segment is replaced by a forged frame: valid
-                                                 trailer and checksum, overlapping buffers
+                                                 trailer and checksum, a header that lies about
+                                                 its buffers (``world.forgery`` says how)
 =========================  ====================  =============================================
 
 ``at`` moves a fault to another point (``crash_writer`` at ``shm.put.created``, say).

@@ -269,26 +269,45 @@ def corrupt_segment(store: Store, key: str) -> None:
     _rewrite_chunk(store, key, flip)
 
 
-def forge_segment(store: Store, key: str) -> None:
-    """Replace ``key``'s chunk by a forged frame: trailer and checksum valid, codes that were
-    never sent, and the flags' one-byte buffers lying inside the codes' bytes (overlapping
-    buffer references, which a decoder must refuse)."""
-    _rewrite_chunk(store, key, lambda _: forged_frame())
+#: How a forged frame lies about its buffers (each one a check of the decoder must catch, and
+#: only that check: the trailer and the checksum are valid for the bytes a reader would take).
+FORGERIES = ("overlapping", "short_buffer", "past_the_end")
 
 
-def forged_frame() -> bytes:
-    codes = np.full((16, 25), 256, dtype="<i8")  # its first byte is 0: the flags read False
-    flag = msgpack.ExtType(EXT_TENSOR, msgpack.packb(["bool", [], 0, 1]))
+def forge_segment(store: Store, key: str, lie: str = "overlapping") -> None:
+    """Replace ``key``'s chunk by a forged frame (see :func:`forged_frame`)."""
+    _rewrite_chunk(store, key, lambda _: forged_frame(lie))
+
+
+def forged_frame(lie: str = "overlapping") -> bytes:
+    """A frame of codes that were never sent, with a valid trailer and checksum, whose header
+    lies about its buffers: ``overlapping``, the flags' one-byte buffers lie inside the codes'
+    bytes; ``short_buffer``, the codes' buffer holds one value less than their shape needs;
+    ``past_the_end``, the codes' buffer runs into the commit trailer. The checksum covers what a
+    reader that did not check the references would take: the head, then each buffer's bytes as
+    its shape needs them, in the header's order."""
+    codes = np.full((16, 25), 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
+    # Where the codes' and the flags' buffers are, from the start of the buffers; what the body holds there.
+    if lie == "overlapping":
+        codes_at, nbytes, flags_at, buffers = 0, len(codes), 0, codes
+    elif lie == "short_buffer":
+        nbytes = len(codes) - 8
+        codes_at, flags_at, buffers = 0, nbytes, codes[:nbytes] + b"\0\0"
+    else:  # the flags first, then codes whose last bytes would be the trailer's magic
+        codes_at, nbytes, flags_at = ALIGN, len(codes), 0
+        buffers = bytes(ALIGN) + codes[: -len(COMMIT_MAGIC)]
+    flags = [msgpack.ExtType(EXT_TENSOR, msgpack.packb(["bool", [], flags_at + i, 1])) for i in range(2)]
     header = msgpack.packb(
         {
-            "codes": {"audio": msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [16, 25], 0, codes.nbytes]))},
-            "meta": {"finished": flag, "is_segment_finished": flag},
+            "codes": {"audio": msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [16, 25], codes_at, nbytes]))},
+            "meta": {"finished": flags[0], "is_segment_finished": flags[1]},
         }
     )
     prefix = struct.pack("<4sI", MAGIC, len(header))
     base = (len(prefix) + len(header) + ALIGN - 1) // ALIGN * ALIGN
-    body = (prefix + header).ljust(base, b"\0") + codes.tobytes()
-    raw = codes.tobytes()
-    # The checksum a reader computes: the head, then each buffer in the header's order.
-    checksum = xxhash.xxh3_64_intdigest(prefix + header + raw + raw[:1] + raw[:1])
+    body = (prefix + header).ljust(base, b"\0") + buffers
+    # What a reader past the body's end meets first: the trailer's magic and its zero pad.
+    whole = body + COMMIT_MAGIC + bytes(4)
+    taken = [(base + codes_at, len(codes)), (base + flags_at, 1), (base + flags_at + 1, 1)]
+    checksum = xxhash.xxh3_64_intdigest(prefix + header + b"".join(whole[at : at + n] for at, n in taken))
     return body + TRAILER.pack(COMMIT_MAGIC, 0, checksum, len(body))

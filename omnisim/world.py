@@ -25,7 +25,7 @@ from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim import devshm
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
-from omnisim.processes import ProcessStore, SimProcesses, corrupt_segment, forge_segment
+from omnisim.processes import FORGERIES, ProcessStore, SimProcesses, corrupt_segment, forge_segment
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
 from runtime.connectors.base import PutResult
@@ -126,6 +126,8 @@ class World:
         self.deaths: dict[str, float] = {}
         #: A task hangs for good (a ``stall`` fault fired).
         self.stalled = False
+        #: How a ``forged_frame`` fault's frame lies (see :data:`omnisim.processes.FORGERIES`).
+        self.forgery = FORGERIES[0]
         #: What the orchestrator would have done by quiescence that the scenario's own pieces
         #: may not have (a world without one: drain the stages' failure channels).
         self.settle: Callable[[], Awaitable[None]] | None = None
@@ -395,10 +397,12 @@ class World:
             kernel = current_kernel()
             assert isinstance(kernel, SimKernel)
             kernel.freeze(task)
-        elif fault.kind in ("corrupt_bytes", "forged_frame"):
-            change = corrupt_segment if fault.kind == "corrupt_bytes" else forge_segment
+        elif fault.kind == "corrupt_bytes":
             for store, _ in self.namespaces.values():
-                change(store, key)
+                corrupt_segment(store, key)
+        elif fault.kind == "forged_frame":
+            for store, _ in self.namespaces.values():
+                forge_segment(store, key, self.forgery)
         else:
             raise UsageError(f"fault {fault.kind!r} is not one the world acts out")
 
@@ -427,8 +431,8 @@ class World:
             residue[name] = component.residue()
         stores = {
             f"{self.store_kind} {namespace}" + (" (owner dead)" if process in dead else ""): StoreSnapshot(
-                store.segments(),
-                store.lock_files(),
+                [key for key in store.segments() if not self._planted_at(store, f"seg-{key}")],
+                [key for key in store.lock_files() if not self._planted_at(store, f"lock-{key}")],
                 owner_dead=process in dead,
                 open_handles=store.open_handles(),
                 rings=[edge for edge in store.rings() if not self._planted_at(store, f"ring-{edge}")],

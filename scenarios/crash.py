@@ -22,7 +22,7 @@ a namespace it owns; the other stage reads from there):
   runs while Code2Wav may still be taking it (handing its segment back as a spare of the dead
   Talker's namespace): the sweep leaves nothing all the same;
 * ``corrupt_chunk`` — the bytes of a committed chunk change (a flipped byte, or a forged frame
-  with a valid checksum whose buffers overlap): the consumer never accepts them.
+  with a valid checksum whose header lies about its buffers): the consumer never accepts them.
 
 Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks content.
 """
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from omnisim.faults import Fault, FaultPlan
+from omnisim.processes import FORGERIES
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel
 from omnisim.world import World
@@ -390,19 +391,29 @@ async def storage_errors(world: World) -> None:
     await req.talker.adapter.release_shm_resources(req.ext)
 
 
-CORRUPTION = Param("how", ("flipped_byte", "forged_frame"), "how the committed chunk's bytes change")
+CORRUPTION = Param(
+    "how",
+    ("flipped_byte", *(f"forged_{lie}" for lie in FORGERIES)),
+    "how the committed chunk's bytes change: a flipped byte, or a forged frame whose header lies about its buffers",
+)
+
+
+def corrupt_as(world: World, params: Params) -> None:
+    world.forgery = params["how"].removeprefix("forged_")
 
 
 @crash_scenario(
     "corrupt_chunk",
     summary="the bytes of a committed chunk change before Code2Wav reads them (a flipped byte; a forged frame with "
-    "a valid checksum whose buffers overlap): they are never accepted, and the request fails naming the key",
+    "a valid checksum whose header lies: buffers that overlap, a buffer too short for its shape, one that runs "
+    "into the commit trailer): they are never accepted, and the request fails naming the key",
     issue="omnisim issue 9 (checksums, decode safety)",
     own=TALKER,
     params=(CORRUPTION,),
     faults=lambda p: FaultPlan(
         [Fault("corrupt_bytes" if p["how"] == "flipped_byte" else "forged_frame", match={"key": "R_1_1"})]
     ),
+    prepare=corrupt_as,
 )
 async def corrupt_chunk(world: World) -> None:
     req = EdgeRequest(world, "R")

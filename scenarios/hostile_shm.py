@@ -9,9 +9,10 @@ use may be anything. Two places are planted here, before anything of the world r
   ours, or a symlink in its place. None of it is written to, followed or removed (wakeups there
   are then unavailable and receivers keep polling); only a FIFO of ours with no reader (a dead
   receiver's) goes.
-* ``hostile_ring_name`` — the name of an edge's ring: a file others may read, a symlink (both left
+* ``hostile_edge_names`` — the name of an edge's ring: a file others may read, a symlink (both left
   alone: the edge goes over segments), or a file of ours that holds no ring (replaced; no reader
-  takes a frame from it).
+  takes a frame from it); or a chunk's segment name, taken by a file others may read holding a
+  committed frame (left alone; the chunk's put fails, and no reader takes that frame).
 
 Requests still finish with every frame. At the end the scenario notes, for each planted name,
 what became of it (``shm.planted``), which ``foreign-names-untouched`` compares with what must.
@@ -27,6 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omnisim import devshm
 from omnisim.registry import Param, Params, Patch, ScenarioBody, mutant
 from omnisim.sim_kernel import MAIN_PROCESS
@@ -34,9 +37,10 @@ from omnisim.world import World
 from runtime.connectors import ring as rings
 from runtime.connectors import wakeup
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.wire import encode
 from runtime.kernel import current_kernel
 from scenarios.crash import CHUNKS, DATA_PLANE, crash_scenario, in_process, receive, send
-from scenarios.edge import CODE2WAV, TALKER, EdgeRequest
+from scenarios.edge import CODE2WAV, NUM_CODEBOOKS, TALKER, EdgeRequest
 
 PLANT = Param(
     "plant",
@@ -113,11 +117,14 @@ def _regular_file(path: str, content: bytes, mode: int = 0o600) -> str:
 
 
 def hostile_scenario(
-    name: str, *, prepare: Callable[[World, Params], None], **kwargs: Any
+    name: str, *, prepare: Callable[[World, Params], None], fails_puts: bool = False, **kwargs: Any
 ) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register a scenario of this module: ``prepare`` plants the names before anything of the
-    world runs, nothing is injected, and what became of the names is checked."""
-    invariants = (*DATA_PLANE, "foreign-names-untouched")
+    world runs, nothing is injected, and what became of the names is checked. ``fails_puts``: a
+    planted name fails a put, a failure the scenario provoked (``failures-have-causes`` cannot
+    see a cause planted before the run)."""
+    checked = (i for i in DATA_PLANE if not (fails_puts and i == "failures-have-causes"))
+    invariants = (*checked, "foreign-names-untouched")
     return crash_scenario(name, faults=lambda p: None, prepare=prepare, invariants=invariants, **kwargs)
 
 
@@ -204,47 +211,59 @@ def note_planted(world: World) -> None:
         current_kernel().note("shm.planted", what=planted.what, got=planted.now(), want=planted.want)
 
 
-RING_PLANT = Param(
+EDGE_PLANT = Param(
     "plant",
-    ("foreign_mode", "symlink", "garbage_of_ours"),
-    "what sits at the name of the Talker's ring before it makes one: a file others may read (mode 644), a symlink, "
-    "a file of ours holding no ring",
+    ("ring_foreign_mode", "ring_symlink", "ring_garbage_of_ours", "segment_foreign_mode"),
+    "what sits at a name of the edge before the Talker makes it: at its ring's, a file others may read (mode 644), "
+    "a symlink, or a file of ours holding no ring; at a chunk's segment's, a file others may read holding a "
+    "committed frame of codes never sent",
 )
+#: The chunk whose segment name ``segment_foreign_mode`` takes.
+PLANTED_KEY = "R_1_1"
 
 
-def plant_ring_name(world: World, params: Params) -> None:
-    """Plant what ``params["plant"]`` says at the name of the Talker → Code2Wav ring, in the
+def plant_edge_names(world: World, params: Params) -> None:
+    """Plant what ``params["plant"]`` says at a name of the Talker → Code2Wav edge, in the
     Talker's namespace (the world's own: the Talker runs in the world's process here)."""
     if not isinstance(world.store, PosixStore):
         return
     planted: list[Planted] = []
-    path = world.plant(f"ring-{rings.edge_name(str(TALKER), str(CODE2WAV))}")
-    content = b"\xff" * RING_GARBAGE_BYTES
-    if params["plant"] == "foreign_mode":
-        _regular_file(path, content, mode=0o644)
-        planted.append(record("a file others may read at the ring's name", path))
-    elif params["plant"] == "symlink":
-        bait = _regular_file(world.plant("bait"), content)
-        os.symlink(bait, path)
-        planted += [record("a symlink at the ring's name", path), record("the file that symlink points at", bait)]
+    ring = world.plant(f"ring-{rings.edge_name(str(TALKER), str(CODE2WAV))}")
+    garbage = b"\xff" * RING_GARBAGE_BYTES
+    if params["plant"] == "ring_foreign_mode":
+        planted.append(record("a file others may read at the ring's name", _regular_file(ring, garbage, mode=0o644)))
+    elif params["plant"] == "ring_symlink":
+        bait = _regular_file(world.plant("bait"), garbage)
+        os.symlink(bait, ring)
+        planted += [record("a symlink at the ring's name", ring), record("the file that symlink points at", bait)]
+    elif params["plant"] == "ring_garbage_of_ours":
+        _regular_file(ring, garbage)  # ours to replace: a ring, or no ring, never frames read from it
     else:
-        _regular_file(path, content)  # ours to replace: a ring, or no ring, never frames read from it
+        never_sent = {"codes": {"audio": torch.full((NUM_CODEBOOKS, 4), 2047)}}
+        segment = _regular_file(world.plant(f"seg-{PLANTED_KEY}"), encode(never_sent), mode=0o644)
+        # Beside it, a lock file as a put leaves one: a reader goes on to the segment.
+        _regular_file(world.plant(f"lock-{PLANTED_KEY}"), b"")
+        planted.append(record(f"a file others may read at the segment name of {PLANTED_KEY}, holding a frame", segment))
     world.observers["planted"] = planted
 
 
 @hostile_scenario(
-    "hostile_ring_name",
-    summary="the name of the Talker's ring is taken before the Talker makes it: by a file others may read, a symlink, "
-    "or a file of ours holding no ring: the foreign ones are left alone and the edge goes over segments; ours is "
-    "replaced by a ring; no reader takes a frame from what is not a ring, and the request finishes with every frame",
+    "hostile_edge_names",
+    summary="a name of the Talker → Code2Wav edge is taken before the Talker makes it: its ring's, by a file others "
+    "may read, a symlink or a file of ours holding no ring; a chunk's segment's, by a file others may read holding a "
+    "frame of codes never sent: the foreign names are left alone (the edge goes over segments, or the chunk's put "
+    "fails), ours is replaced by a ring, and no reader takes a frame from a name that is not ours or not a ring",
     issue="omnisim issue 9 (a hostile /dev/shm), issue 13 (the ring's attach checks)",
     own=CODE2WAV,
-    params=(RING_PLANT,),
-    prepare=plant_ring_name,
+    params=(EDGE_PLANT,),
+    prepare=plant_edge_names,
+    fails_puts=True,
 )
-async def hostile_ring_name(world: World) -> None:
+async def hostile_edge_names(world: World) -> None:
     req = EdgeRequest(world, "R")
-    req.stream.allowed_outcomes = frozenset({"finished"})
+    # A put that meets a foreign name fails its request; one that goes on the ring does not.
+    taken = world.params.get("plant") == "segment_foreign_mode" and isinstance(world.store, PosixStore)
+    req.stream.allowed_outcomes = frozenset({"finished", "failed"} if taken else {"finished"})
     await in_process(
         [("stage2", "R.consume", lambda: receive(req)), (MAIN_PROCESS, "R.produce", lambda: send(req, CHUNKS))]
     )
