@@ -22,6 +22,7 @@ memory store there is no /dev/shm to plant in: the requests run alone.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ import torch
 
 from omnisim import devshm
 from omnisim.registry import Param, Params, Patch, ScenarioBody, mutant
-from omnisim.sim_kernel import MAIN_PROCESS
+from omnisim.sim_kernel import MAIN_PROCESS, SimKernel
 from omnisim.world import World
 from runtime.connectors import ring as rings
 from runtime.connectors import wakeup
@@ -147,8 +148,9 @@ def plant_names(world: World, params: Params) -> None:
         os.symlink(bait, f"{inside}link")
         planted.append(record("a symlink where a receiver's FIFO belongs", f"{inside}link"))
         planted.append(record("the file that symlink points at", bait))
-        os.mkfifo(f"{inside}dead", 0o600)
-        planted.append(record("a FIFO of ours with no reader (a dead receiver's)", f"{inside}dead", want=GONE))
+        dead = world.plant(f"wake/{CODE2WAV}_dead")  # (not a live receiver's FIFO while it stays)
+        os.mkfifo(dead, 0o600)
+        planted.append(record("a FIFO of ours with no reader (a dead receiver's)", dead, want=GONE))
         if os.geteuid() == 0:
             os.mkfifo(f"{inside}stranger", 0o600)
             os.chown(f"{inside}stranger", STRANGER, STRANGER)
@@ -206,9 +208,15 @@ async def hostile_wakeup_names(world: World) -> None:
 
 
 def note_planted(world: World) -> None:
-    """Note what became of each planted name, for ``foreign-names-untouched``."""
+    """Note what became of each planted name, for ``foreign-names-untouched``. A dead receiver's
+    FIFO goes at the next put's wakeup: if every put failed (sampled faults), none came."""
+    k = current_kernel()
+    assert isinstance(k, SimKernel)
+    woken = any(e.name == "shm.put.wake" and e.attrs.get("to") == str(CODE2WAV) for e in k.trace)
     for planted in world.observers.get("planted", []):
-        current_kernel().note("shm.planted", what=planted.what, got=planted.now(), want=planted.want)
+        if planted.want == GONE and not woken:
+            planted = dataclasses.replace(planted, want=LEFT_ALONE)
+        k.note("shm.planted", what=planted.what, got=planted.now(), want=planted.want)
 
 
 EDGE_PLANT = Param(
