@@ -103,7 +103,8 @@ class World:
         #: The FIFOs dead processes left, and what the scenario planted: none of it is residue.
         self._dead_fifos: set[str] = set()
         self._planted_here: set[str] = set()
-        self._descriptors_at_start = devshm.descriptors()
+        #: This process's descriptors before the run (a world in memory opens none: not read).
+        self._descriptors_at_start = devshm.descriptors() if isinstance(self.store, PosixStore) else None
         #: What each stage's connector did, counted from outside (see :func:`count_transfers`).
         self._counted: dict[int, dict[str, int]] = {}
         self.stages: dict[int, Stage] = {}
@@ -443,9 +444,10 @@ class World:
             for namespace, (store, process) in self.namespaces.items()
         }
         health = {
-            f"stage{sid}": {name: (int(stage.connector.health()[name]), n) for name, n in self._counted[sid].items()}
+            f"stage{sid}": {name: (int(reported[name]), n) for name, n in self._counted[sid].items()}
             for sid, stage in self.stages.items()
             if stage.process not in dead and label == "shutdown"
+            for reported in [stage.connector.health()]
         }
         self.snapshots.append(Snapshot(label, stores, residue, health=health))
 
@@ -482,7 +484,8 @@ class World:
             if process and self.alive(process):
                 store.sweep()
                 left[f"{self.store_kind} {namespace}"] = StoreSnapshot([], [], names=self._names_of(store))
-        opened = [] if self.deaths else devshm.opened_since(self._descriptors_at_start)
+        before = self._descriptors_at_start
+        opened = [] if self.deaths or before is None else devshm.opened_since(before)
         self.snapshots.append(Snapshot("at exit", left, {}, opened))
 
     def _names_of(self, store: Store) -> list[str]:
