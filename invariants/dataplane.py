@@ -14,7 +14,8 @@ WAIT_SLACK_US = 60_000
 @invariant(
     "no-corrupt-accept",
     "every frame a consumer accepts is one a producer sent, in the order sent, none twice (checked by content, "
-    "whatever the outcome; a vetoed chunk may leave a gap)",
+    "whatever the outcome; a vetoed chunk may leave a gap); every payload a get hands out is one a put was asked "
+    "to send under that key, type for type and byte for byte",
 )
 def no_corrupt_accept(world: ObservedWorld) -> list[str]:
     out = []
@@ -157,6 +158,35 @@ def ring_max_payload(capacity: int, fraction: float = 0.25) -> int:
     smaller payloads to segments than the rule says must not set the bar it is checked against."""
     data = capacity - RING_HEADER
     return min(int(data * fraction), data // 2 - 2 * 256)
+
+
+#: Frames that hold ring space for good unless someone moves them on, by state: a chunk nobody
+#: took yet (READY), one being written (WRITING), a write a cleanup aborted that no commit
+#: turned into CANCELLED (ABORTED). The tail never passes them.
+_RING_HELD = {1: "being written", 2: "unread", 6: "aborted"}
+
+
+def ring_frames_held(view: memoryview) -> list[str]:
+    """``KEY (why)`` for every frame between the tail and the head of the ring whose bytes are
+    ``view`` that holds its space (see :data:`_RING_HELD`)."""
+    data = len(view) - RING_HEADER
+    if data < RING_ALIGN:
+        return []
+    head, tail = _RING_WORDS.unpack_from(view, 16)
+    out = []
+    pos = tail
+    for _ in range(data // RING_ALIGN):  # (at most one frame per aligned slot: garbage cannot loop it)
+        if pos >= head:
+            break
+        at = RING_HEADER + pos % data
+        state, key_len, _, span = _RING_FRAME.unpack_from(view, at)
+        if span <= 0:
+            break  # a producer killed between reserving a frame and describing it
+        if state in _RING_HELD:
+            key = bytes(view[at + _RING_FRAME.size : at + _RING_FRAME.size + key_len]).decode("ascii", "replace")
+            out.append(f"{key} ({_RING_HELD[state]})")
+        pos += span
+    return out
 
 
 def ring_room(view: memoryview, key: str, nbytes: int) -> tuple[int, int]:

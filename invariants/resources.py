@@ -20,7 +20,8 @@ def _store_leftovers(world: ObservedWorld, kind: str) -> list[str]:
 
 @invariant(
     "no-orphan-shm",
-    "no segment of the run's namespace, and no ring frame holding a chunk nobody takes, exists at quiescence or "
+    "no segment of the run's namespace, and no ring frame holding a chunk nobody takes or space nobody gives back "
+    "(a write a cleanup aborted, never cancelled), exists at quiescence or "
     f"after shutdown; a namespace keeps at most {SPARES_KEPT} spare segments; no ring, no spare and no live "
     "receiver's wakeup FIFO outlives its connector",
 )

@@ -28,7 +28,7 @@ from runtime.connectors.namespaces import Owner
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import Ring
 from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, Store
-from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_TENSOR, MAGIC, TRAILER
+from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER
 
 SIM_PID_NAMESPACE = "sim"
 
@@ -269,9 +269,49 @@ def corrupt_segment(store: Store, key: str) -> None:
     _rewrite_chunk(store, key, flip)
 
 
-#: How a forged frame lies about its buffers (each one a check of the decoder must catch, and
-#: only that check: the trailer and the checksum are valid for the bytes a reader would take).
-FORGERIES = ("overlapping", "short_buffer", "past_the_end")
+#: How a forged frame lies about its buffers -> what the error of a reader that rejects it must
+#: name. Each lie is one check of the decoder's to catch (the trailer and the checksum are valid
+#: for the bytes a reader would take), and a reader that meets it deserves to be told which.
+#: The first four lie about where the codes' bytes are, the last about the frame's length; the
+#: others in the codes' reference itself, which a reader that did not check it could not follow.
+FORGERIES = {
+    "overlapping": "overlapping buffer references",
+    "short_buffer": "needs 3200 bytes, got 3192",
+    "past_the_end": "buffer reference past end of frame",
+    "negative_offset": "bad buffer reference",
+    "unknown_extension": "unknown extension type 99",
+    "unreadable_reference": "bad extension payload",
+    "unknown_array_dtype": "unknown ndarray dtype 'no_such_dtype'",
+    "offset_not_a_number": "bad buffer reference",
+    "reference_of_three": "bad extension payload shape",
+    "unknown_tensor_dtype": "unknown tensor dtype 'no_such_dtype'",
+    "object_array": "unsupported ndarray dtype 'O'",
+    "negative_dimensions": "bad shape [-16, -25]",
+    "trailer_length": "the commit trailer says",
+}
+
+_CODES_SHAPE = [16, 25]
+
+
+def _codes_reference(lie: str, at: int, nbytes: int) -> msgpack.ExtType:
+    """The header's reference to the codes' ``nbytes`` at ``at``, as ``lie`` tells it."""
+    if lie == "unknown_extension":
+        return msgpack.ExtType(99, msgpack.packb(["int64", _CODES_SHAPE, at, nbytes]))
+    if lie == "unreadable_reference":
+        return msgpack.ExtType(EXT_TENSOR, b"\xc1")  # a byte msgpack never uses
+    if lie == "unknown_array_dtype":
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(["no_such_dtype", _CODES_SHAPE, at, nbytes]))
+    if lie == "offset_not_a_number":
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", _CODES_SHAPE, str(at), nbytes]))
+    if lie == "reference_of_three":
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", _CODES_SHAPE, at]))
+    if lie == "unknown_tensor_dtype":
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(["no_such_dtype", _CODES_SHAPE, at, nbytes]))
+    if lie == "object_array":  # (pointers: never to be made from bytes)
+        return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(["O", _CODES_SHAPE, at, nbytes]))
+    if lie == "negative_dimensions":  # (their product is the right count all the same)
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [-d for d in _CODES_SHAPE], at, nbytes]))
+    return msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", _CODES_SHAPE, at, nbytes]))
 
 
 def forge_segment(store: Store, key: str, lie: str = "overlapping") -> None:
@@ -283,23 +323,31 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     """A frame of codes that were never sent, with a valid trailer and checksum, whose header
     lies about its buffers: ``overlapping``, the flags' one-byte buffers lie inside the codes'
     bytes; ``short_buffer``, the codes' buffer holds one value less than their shape needs;
-    ``past_the_end``, the codes' buffer runs into the commit trailer. The checksum covers what a
+    ``past_the_end``, the codes' buffer runs into the commit trailer; ``negative_offset``, it
+    starts before the buffers, in the header; ``trailer_length``, the commit trailer says the
+    frame is longer than it is; the others, the codes' reference names an extension type or a
+    dtype that does not exist, an array of objects, negative dimensions, is not msgpack, gives
+    its offset as a string, or has three fields, not four. The checksum covers what a
     reader that did not check the references would take: the head, then each buffer's bytes as
     its shape needs them, in the header's order."""
-    codes = np.full((16, 25), 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
+    codes = np.full(_CODES_SHAPE, 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
     # Where the codes' and the flags' buffers are, from the start of the buffers; what the body holds there.
     if lie == "overlapping":
         codes_at, nbytes, flags_at, buffers = 0, len(codes), 0, codes
     elif lie == "short_buffer":
         nbytes = len(codes) - 8
         codes_at, flags_at, buffers = 0, nbytes, codes[:nbytes] + b"\0\0"
-    else:  # the flags first, then codes whose last bytes would be the trailer's magic
+    elif lie == "past_the_end":  # the flags first, then codes whose last bytes would be the trailer's magic
         codes_at, nbytes, flags_at = ALIGN, len(codes), 0
         buffers = bytes(ALIGN) + codes[: -len(COMMIT_MAGIC)]
+    elif lie == "negative_offset":
+        codes_at, nbytes, flags_at, buffers = -ALIGN, len(codes), len(codes), codes + b"\0\0"
+    else:
+        codes_at, nbytes, flags_at, buffers = 0, len(codes), len(codes), codes + b"\0\0"
     flags = [msgpack.ExtType(EXT_TENSOR, msgpack.packb(["bool", [], flags_at + i, 1])) for i in range(2)]
     header = msgpack.packb(
         {
-            "codes": {"audio": msgpack.ExtType(EXT_TENSOR, msgpack.packb(["int64", [16, 25], codes_at, nbytes]))},
+            "codes": {"audio": _codes_reference(lie, codes_at, nbytes)},
             "meta": {"finished": flags[0], "is_segment_finished": flags[1]},
         }
     )
@@ -310,4 +358,5 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     whole = body + COMMIT_MAGIC + bytes(4)
     taken = [(base + codes_at, len(codes)), (base + flags_at, 1), (base + flags_at + 1, 1)]
     checksum = xxhash.xxh3_64_intdigest(prefix + header + b"".join(whole[at : at + n] for at, n in taken))
-    return body + TRAILER.pack(COMMIT_MAGIC, 0, checksum, len(body))
+    length = len(body) + ALIGN if lie == "trailer_length" else len(body)
+    return body + TRAILER.pack(COMMIT_MAGIC, 0, checksum, length)

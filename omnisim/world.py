@@ -16,22 +16,22 @@ import itertools
 import math
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from invariants.dataplane import ring_max_payload, ring_room
+from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim import devshm
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
+from omnisim.payloads import watch_payloads
 from omnisim.processes import FORGERIES, ProcessStore, SimProcesses, corrupt_segment, forge_segment
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
 from runtime.connectors.base import PutResult
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
-from runtime.connectors.ring import unread_frames
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.connectors.wakeup import FifoWakeups, LocalWakeups, Wakeups
@@ -107,6 +107,8 @@ class World:
         self._descriptors_at_start = devshm.descriptors() if isinstance(self.store, PosixStore) else None
         #: What each stage's connector did, counted from outside (see :func:`count_transfers`).
         self._counted: dict[int, dict[str, int]] = {}
+        #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
+        self._offered: dict[str, set[Hashable]] = {}
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
@@ -128,7 +130,7 @@ class World:
         #: A task hangs for good (a ``stall`` fault fired).
         self.stalled = False
         #: How a ``forged_frame`` fault's frame lies (see :data:`omnisim.processes.FORGERIES`).
-        self.forgery = FORGERIES[0]
+        self.forgery = next(iter(FORGERIES))
         #: What the orchestrator would have done by quiescence that the scenario's own pieces
         #: may not have (a world without one: drain the stages' failure channels).
         self.settle: Callable[[], Awaitable[None]] | None = None
@@ -173,6 +175,7 @@ class World:
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
         self._counted[stage_id] = count_transfers(connector)
+        watch_payloads(connector, self._offered, lambda message: self.probe("no-corrupt-accept", False, message))
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
@@ -437,7 +440,7 @@ class World:
                 owner_dead=process in dead,
                 open_handles=store.open_handles(),
                 rings=[edge for edge in store.rings() if not self._planted_at(store, f"ring-{edge}")],
-                ring_frames=unread_frames(store),
+                ring_frames=self._held_ring_frames(store),
                 spares=store.spares(),
                 wakeup_fifos=self._live_fifos() if store is self.store else [],
             )
@@ -450,6 +453,22 @@ class World:
             for reported in [stage.connector.health()]
         }
         self.snapshots.append(Snapshot(label, stores, residue, health=health))
+
+    def _held_ring_frames(self, store: Store) -> list[str]:
+        """``EDGE:KEY (why)`` for every frame on the store's rings that holds its space (see
+        :func:`invariants.dataplane.ring_frames_held`), read from the shared bytes with the
+        harness's own code, as another process sees them."""
+        out = []
+        for edge in store.rings():
+            if self._planted_at(store, f"ring-{edge}"):
+                continue
+            memory = store.open_ring(edge)
+            if memory is not None:
+                try:
+                    out.extend(f"{edge}:{frame}" for frame in ring_frames_held(memory.view))
+                finally:
+                    memory.close()
+        return out
 
     async def run(self, body: Callable[[World], Awaitable[None]]) -> None:
         """Start every service, run the workload, let the world go idle, snapshot, shut down."""

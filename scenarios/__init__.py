@@ -3,11 +3,13 @@
 from scenarios import (  # noqa: F401
     codec,
     config_contract,
+    connector,
     crash,
     generation_merge,
     hostile,
     hostile_shm,
     input_wait,
+    large,
     mutants_4855,
     mutants_6670,
     mutants_8082,

@@ -29,7 +29,7 @@ Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import torch
@@ -102,10 +102,13 @@ def crash_scenario(
 # -- the two sides, recording content ------------------------------------------------------------
 
 
-async def send(req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.0) -> None:
+async def send(
+    req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.0, output: Mapping[str, object] | None = None
+) -> None:
     """The Talker's scheduler: one chunk per entry, the last one the terminal; every frame sent
     is recorded. Stops when the request ended (or its process died: then it never returns).
-    ``pause_s``: a slow producer, computing that long before each chunk."""
+    ``pause_s``: a slow producer, computing that long before each chunk; ``output``: more of the
+    model's output beside each chunk's frames, for a processor that sends it."""
     offset = 0
     for i, n in enumerate(chunk_frames):
         if pause_s:
@@ -119,7 +122,7 @@ async def send(req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.
         # Recorded before the hand-off: the process may die right after it, chunk and all queued.
         sent = [tuple(frames[:, j].tolist()) for j in range(n)]
         req.stream.sent_frames.extend(sent)
-        if not await req.talker.adapter.save_async({"frames": frames}, req.sender):
+        if not await req.talker.adapter.save_async({**(output or {}), "frames": frames}, req.sender):
             del req.stream.sent_frames[-n:]
             return
         req.stream.frames_sent += n
@@ -359,10 +362,15 @@ CAUSES = {
 }
 
 
-def names_its_cause(error: str | None) -> tuple[bool, list[str]]:
+def names_its_cause(world: World, error: str | None) -> tuple[bool, list[str]]:
     """Whether ``error`` names the cause of a fault that fired in this run (the scenario's own,
-    or one sampled on top of it that struck first), and those causes."""
-    causes = [CAUSES[f.kind] for f in World.fired_faults() if f.kind in CAUSES]
+    or one sampled on top of it that struck first), and those causes. A forged frame's cause is
+    the lie it tells (``world.forgery``)."""
+    causes = [
+        FORGERIES[world.forgery] if f.kind == "forged_frame" else CAUSES[f.kind]
+        for f in World.fired_faults()
+        if f.kind in CAUSES or f.kind == "forged_frame"
+    ]
     return any(cause in (error or "") for cause in causes), causes
 
 
@@ -381,7 +389,7 @@ async def storage_errors(world: World) -> None:
     await in_process(
         [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
     )
-    named, causes = names_its_cause(req.stream.error)
+    named, causes = names_its_cause(world, req.stream.error)
     world.probe(
         "terminal-delivered",
         req.stream.outcome != "failed" or named,
@@ -406,7 +414,8 @@ def corrupt_as(world: World, params: Params) -> None:
     "corrupt_chunk",
     summary="the bytes of a committed chunk change before Code2Wav reads them (a flipped byte; a forged frame with "
     "a valid checksum whose header lies: buffers that overlap, a buffer too short for its shape, one that runs "
-    "into the commit trailer): they are never accepted, and the request fails naming the key",
+    "into the commit trailer or starts before the buffers, a reference that is not one): they are never "
+    "accepted, and the request fails naming the key and, for a forged frame, the lie",
     issue="omnisim issue 9 (checksums, decode safety)",
     own=TALKER,
     params=(CORRUPTION,),
@@ -421,6 +430,13 @@ async def corrupt_chunk(world: World) -> None:
     await in_process(
         [(MAIN_PROCESS, "R.consume", lambda: receive(req)), ("stage1", "R.produce", lambda: send(req, CHUNKS))]
     )
+    if world.params["how"] != "flipped_byte":  # (a flipped byte may land anywhere: any check may catch it)
+        named, causes = names_its_cause(world, req.stream.error)
+        world.probe(
+            "terminal-delivered",
+            req.stream.outcome != "failed" or named,
+            f"the request failed with {req.stream.error!r}, which names none of the causes {causes}",
+        )
     await req.talker.adapter.finish_requests([req.sender])
     await req.talker.adapter.release_shm_resources(req.ext)
 
@@ -454,7 +470,7 @@ async def transient_read_error(world: World) -> None:
 async def failed_put(world: World) -> None:
     connector = world.stages[TALKER].connector
     result = await connector.put("1", "2", "P_1_0", {"codes": {"audio": codec_frames(4)}})
-    named, causes = names_its_cause(str((result.metadata or {}).get("error")))
+    named, causes = names_its_cause(world, str((result.metadata or {}).get("error")))
     world.probe(
         "terminal-delivered",
         not result.ok and named,

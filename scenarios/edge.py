@@ -58,14 +58,20 @@ def edge_scenario(name: str, **kwargs: Any) -> Callable[[ScenarioBody], Scenario
 
 
 def edge_world(
-    store_kind: str, processor: Processor = synthetic_codec_chunk, *, talker_receives: bool = False
+    store_kind: str,
+    processor: Processor = synthetic_codec_chunk,
+    *,
+    talker_receives: bool = False,
+    code2wav_process: bool = False,
 ) -> World:
     """The edge's world. Its Talker only sends, unless ``talker_receives``: then it also registers
-    for the Thinker's chunks (no Thinker sends any: a request waits for input that never comes)."""
-    world = World(store_kind)
+    for the Thinker's chunks (no Thinker sends any: a request waits for input that never comes).
+    ``code2wav_process``: Code2Wav runs in a process of its own, as a stage process does (on a
+    POSIX store the two then wake each other through FIFOs)."""
+    world = World(store_kind, processes=code2wav_process)
     # Code2Wav, the final stage, only receives.
     world.add_stage(TALKER, processor=processor, receives=talker_receives)
-    world.add_stage(CODE2WAV, sends=False)
+    world.add_stage(CODE2WAV, sends=False, own_process=code2wav_process)
     watch_code2wav(world)
     return world
 

@@ -10,6 +10,9 @@ consequence of its own."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
 
 from omnisim.registry import Patch, mutant
 from runtime.connectors import namespaces, posix_store, stores, wire
@@ -242,3 +245,20 @@ def health_counts_ring_puts_twice() -> Iterator[Patch]:
         return report | {"puts": report["puts"] + report["ring_puts"]}
 
     yield Patch(ShmConnector, "health", health)
+
+
+@mutant(
+    "decoded_lists_as_tuples",
+    summary="the decoder builds the payload with the fast unpacking of its first pass: lists arrive as tuples, and a "
+    "chunk is not what was put, though every frame is",
+    issue="omnisim issue 11 (a payload checked whole, not only its frames)",
+    scenarios=("generation_merge",),
+    expect=("no-corrupt-accept",),
+)
+def decoded_lists_as_tuples() -> Iterator[Patch]:
+    unpack = wire._unpack
+
+    def first_pass_unpack(header: np.ndarray, ext_hook: Any, *, exact: bool = True) -> Any:
+        return unpack(header, ext_hook, exact=False)
+
+    yield Patch(wire, "_unpack", first_pass_unpack)

@@ -159,3 +159,22 @@ def ring_room_never_wanted() -> Iterator[Patch]:
         pass  # the bug: the producer's wait is never announced
 
     yield Patch(Ring, "want_room", want_room)
+
+
+@mutant(
+    "ring_aborted_write_kept",
+    summary="a put whose frame a cleanup aborted while it was being written leaves the frame aborted instead of "
+    "cancelling it: the tail never passes it, and the ring's space behind it is lost for good",
+    issue=RING_ISSUE,
+    scenarios=("cleanup_during_put",),
+    expect=("no-orphan-shm",),
+    store="ring",
+)
+def ring_aborted_write_kept() -> Iterator[Patch]:
+    def commit(self: Ring, frame: Frame) -> bool:
+        if self._state(frame) == rings.WRITING:
+            self.set_state(frame, rings.READY)
+            return True
+        return False
+
+    yield Patch(Ring, "commit", commit)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import functools
 
-from omnisim.registry import scenario
+from omnisim.registry import Param, Params, scenario
 from omnisim.sim_kernel import MAIN_PROCESS
 from omnisim.world import World
 from runtime.kernel import current_kernel
 from scenarios.crash import DATA_PLANE, in_process, receive, send
-from scenarios.edge import EdgeRequest, edge_world
+from scenarios.edge import CODE2WAV, EdgeRequest, edge_world
 
 #: How long the slow consumer idles before it asks for each chunk: the Talker puts several
 #: chunks meanwhile.
@@ -39,6 +39,16 @@ SLOW_CONSUMER_S = 0.03
 #: Codec frames per chunk of each request: chunks of different sizes leave every remainder at the
 #: ring's end, so wrap-arounds skip bytes of many sizes.
 MIXED_CHUNKS = ([4, 25, 10, 25, 7, 25], [25, 10, 25, 4, 25, 10])
+CODE2WAV_PROCESS = Param(
+    "code2wav",
+    ("same_process", "own_process"),
+    "Code2Wav in the Talker's process (in-process wakeups), or in a process of its own as stage processes run "
+    "(a full ring's producer then waits for room on a FIFO wakeup across processes)",
+)
+
+
+def ring_world(store_kind: str, params: Params) -> World:
+    return edge_world(store_kind, code2wav_process=params["code2wav"] == "own_process")
 
 
 @scenario(
@@ -47,7 +57,8 @@ MIXED_CHUNKS = ([4, 25, 10, 25, 7, 25], [25, 10, 25, 4, 25, 10])
     "take segments, the ring wraps around, and every frame arrives exactly once and in order, whichever way its "
     "chunk went",
     issue="omnisim issue 13 (ring back-pressure, fallback, wrap-around)",
-    build=edge_world,
+    build=ring_world,
+    params=(CODE2WAV_PROCESS,),
     invariants=DATA_PLANE,
 )
 async def ring_full_slow_consumer(world: World) -> None:
@@ -58,10 +69,11 @@ async def two_streams(world: World, *, read_pauses: tuple[float, float], write_p
     """Requests R and S streamed at once (:data:`MIXED_CHUNKS`), each read with its pause before
     every chunk and written with ``write_pause`` before every chunk; both must finish intact."""
     requests = [EdgeRequest(world, ext) for ext in ("R", "S")]
+    consumer = world.stages[CODE2WAV].process
     jobs = []
     for req, chunks, read_pause in zip(requests, MIXED_CHUNKS, read_pauses, strict=True):
         req.stream.allowed_outcomes = frozenset({"finished"})
-        jobs.append((MAIN_PROCESS, f"{req.name}.consume", functools.partial(receive, req, pause_s=read_pause)))
+        jobs.append((consumer, f"{req.name}.consume", functools.partial(receive, req, pause_s=read_pause)))
         jobs.append((MAIN_PROCESS, f"{req.name}.produce", functools.partial(send, req, chunks, pause_s=write_pause)))
     await in_process(jobs)
     for req in requests:
@@ -74,7 +86,8 @@ async def two_streams(world: World, *, read_pauses: tuple[float, float], write_p
     summary="Code2Wav waits for every chunk before it is put, on two requests the Talker produces in step: it asks "
     "for keys while their frames are being written into reused ring space, and takes only whole frames",
     issue="omnisim issue 13 (a frame readable only once written)",
-    build=edge_world,
+    build=ring_world,
+    params=(CODE2WAV_PROCESS,),
     invariants=DATA_PLANE,
 )
 async def ring_eager_reader(world: World) -> None:
@@ -87,7 +100,8 @@ async def ring_eager_reader(world: World) -> None:
     "aborted: B's frames are cancelled and reclaimed, A's frames wrap around into their space, and A gets every "
     "frame intact",
     issue="omnisim issue 13 (cancelled frames reclaimed, wrap-around)",
-    build=edge_world,
+    build=ring_world,
+    params=(CODE2WAV_PROCESS,),
     invariants=DATA_PLANE,
 )
 async def ring_wrap_cancel(world: World) -> None:
@@ -109,7 +123,7 @@ async def ring_wrap_cancel(world: World) -> None:
     await in_process(
         [
             (MAIN_PROCESS, "B", abort_b),
-            (MAIN_PROCESS, "A.consume", lambda: receive(a, pause_s=SLOW_CONSUMER_S / 3)),
+            (world.stages[CODE2WAV].process, "A.consume", lambda: receive(a, pause_s=SLOW_CONSUMER_S / 3)),
             (MAIN_PROCESS, "A.produce", lambda: send(a, [25] * 8)),
         ]
     )

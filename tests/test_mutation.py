@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 from conftest import left_behind, shm_names
 
-from omnisim import mutation
-from omnisim.mutation.campaign import Baseline, SourceChanged, load_equivalents, run_mutants, source_stamp
+from omnisim import mutation, registry
+from omnisim.mutation.campaign import (
+    Baseline,
+    Plan,
+    SourceChanged,
+    load_equivalents,
+    run_mutants,
+    run_plan,
+    source_stamp,
+    strategies,
+)
 from omnisim.mutation.operators import OPERATORS, find_mutations
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,3 +178,17 @@ def test_a_campaign_stops_when_the_code_changes_under_it() -> None:
         run_mutants(
             [m], Baseline(), budget=1, seed=0, jobs=1, time_limit=10, plugins=[], on_outcome=print, stamp=edited
         )
+
+
+def test_a_plan_runs_every_configuration_and_the_declared_orderings() -> None:
+    """A budget smaller than a scenario's configurations still runs each of them once per
+    strategy; a scenario that declares orderings also runs schedules that follow them."""
+    registry.load()
+    configurations = len(registry.get_scenario("corrupt_chunk").configurations())
+    failed, ran = run_plan(Plan("corrupt_chunk", "memory"), budget=2, seed=0)
+    assert failed == [] and ran == 2 * configurations
+    assert [s for s, _ in strategies(12)] == ["random", "pct"]
+    assert strategies(12, ordered=True) == [("random", 12), ("pct", 6), ("ordered", 6)]
+    assert registry.get_scenario("stale_receiver_entry").constraints
+    _, ran = run_plan(Plan("stale_receiver_entry", "memory"), budget=2, seed=0)
+    assert ran == 2 + 1 + 1

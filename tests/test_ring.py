@@ -18,6 +18,7 @@ import pytest
 import torch
 import trio
 
+from invariants.dataplane import ring_frames_held
 from omnisim import registry
 from omnisim.explore import explore
 from runtime.connectors import ring as rings
@@ -309,3 +310,23 @@ def test_the_pipeline_on_the_ring_says_exactly_what_it_says_on_segments() -> Non
         assert result.error is None and result.residue == {}, (transport, result.error, result.residue)
         audio[transport] = result.audio.numpy().tobytes()
     assert audio["ring"] == audio["segments"] and len(audio["ring"]) > 0
+
+
+def test_the_harness_reads_which_frames_hold_ring_space() -> None:
+    """``invariants.dataplane.ring_frames_held``: the harness's own reading of a ring (residue at
+    quiescence): a frame being written, an unread one, and an aborted write that no commit
+    cancelled hold their space; a taken or cancelled one does not; garbage reads as nothing."""
+    store = MemoryStore()
+    ring = Ring.made(store.create_ring("edge_1_2", 4096), None)
+    writing = ring.reserve("R_1_0", 100)
+    unread = ring.reserve("R_1_1", 100)
+    aborted = ring.reserve("R_1_2", 100)
+    taken = ring.reserve("R_1_3", 100)
+    assert writing is not None and unread is not None and aborted is not None and taken is not None
+    assert ring.commit(unread) and ring.commit(taken)
+    ring.set_state(taken, rings.DONE)
+    assert ring.cancel("R_1_2", aborted.pos)
+    assert ring_frames_held(ring.memory.view) == ["R_1_0 (being written)", "R_1_1 (unread)", "R_1_2 (aborted)"]
+    assert not ring.commit(aborted)  # the writer comes back: it cancels what the cleanup aborted
+    assert ring_frames_held(ring.memory.view) == ["R_1_0 (being written)", "R_1_1 (unread)"]
+    assert ring_frames_held(memoryview(b"\xff" * 4096)) == []

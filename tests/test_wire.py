@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import re
 import struct
 from typing import Any
 
@@ -17,6 +18,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omnisim.processes import FORGERIES, forged_frame
 from runtime.connectors.wire import (
     ALIGN,
     COMMIT_MAGIC,
@@ -600,3 +602,16 @@ def test_fuzz_decode_never_allocates_more_than_the_frame(refs: list[tuple[str, i
     finally:
         wire._allocate = original  # type: ignore[assignment]
     assert sum(asked) <= len(frame)
+
+
+@pytest.mark.parametrize("lie", sorted(FORGERIES))
+def test_a_forged_frame_is_refused_naming_its_lie(lie: str) -> None:
+    """A frame with a valid trailer and checksum whose header lies (the harness's forgeries): the
+    decoder refuses it and says what is wrong, not which of its own lines tripped."""
+    with pytest.raises(WireDecodeError, match=re.escape(FORGERIES[lie])):
+        decode(forged_frame(lie))
+
+
+def test_the_forgeries_tell_the_truth_otherwise() -> None:
+    """Without a lie the forger's frame decodes: each forgery differs from a valid frame in its lie."""
+    assert decode(forged_frame("none"))["codes"]["audio"].shape == (16, 25)

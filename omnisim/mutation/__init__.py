@@ -110,7 +110,8 @@ def mutate(
 ) -> MutationReport:
     """Run ``mutations`` against every scenario (or ``scenarios``) on every store, and with
     sampled faults on the memory store, ``budget`` random and ``budget // 2`` PCT schedules per
-    plan; ``time_limit``: seconds per mutant."""
+    plan (and ``budget // 2`` that follow a scenario's declared orderings, where it has some);
+    ``time_limit``: seconds per mutant."""
     import time
 
     from omnisim import registry

@@ -99,20 +99,28 @@ class Outcome:
     reason: str = ""
 
 
-def strategies(budget: int) -> list[tuple[str, int]]:
-    return [("random", budget), ("pct", max(1, budget // 2))]
+def strategies(budget: int, *, ordered: bool = False) -> list[tuple[str, int]]:
+    """What a plan runs: ``budget`` random schedules, half as many PCT, and for a scenario that
+    declares orderings (``ordered``) half as many again that follow them: the race its author
+    meant, which random schedules may take hundreds to hit."""
+    return [("random", budget), ("pct", max(1, budget // 2))] + [("ordered", max(1, budget // 2))] * ordered
 
 
 def run_plan(plan: Plan, budget: int, seed: int) -> tuple[list[str], int]:
-    """Run one plan's schedules; the invariants that failed (empty: it passed) and how many ran."""
+    """Run one plan's schedules; the invariants that failed (empty: it passed) and how many ran.
+    Each strategy runs every configuration of the scenario at least once (successive seeds walk
+    through them), whatever the budget: a configuration left out is code left unguarded."""
+    from omnisim import registry
     from omnisim.explore import explore
 
+    scenario = registry.get_scenario(plan.scenario)
+    configurations = len(scenario.configurations())
     ran = 0
-    for strategy, schedules in strategies(budget):
+    for strategy, schedules in strategies(budget, ordered=bool(scenario.constraints)):
         res = explore(
             plan.scenario,
             strategy=strategy,
-            budget=schedules,
+            budget=max(schedules, configurations),
             seed=seed,
             store=plan.store,
             faults=list(plan.faults),

@@ -1,0 +1,83 @@
+"""What a chunk carries, compared from outside the runtime: every payload a get hands out must be
+one that a put was asked to send under the same key, type for type and byte for byte.
+
+The scenarios record codec frames, which is what a listener hears; this watches everything else a
+chunk carries (metadata, flags, hidden states, lists, maps with tuple keys), whatever the scenario
+sends, so a wire format that turns a list into a tuple, drops a key or changes a dtype is caught
+(``no-corrupt-accept``) even where no frame changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from runtime.connectors.base import PutResult
+from runtime.connectors.shm import ShmConnector
+
+#: How deep :func:`fingerprint` and :func:`as_carried` look into nested containers: deeper than
+#: any payload the wire carries, and shallow enough for a hostile payload that nests without end.
+DEPTH = 64
+
+
+def fingerprint(obj: object, depth: int = DEPTH) -> Hashable:
+    """``obj`` as a value that is equal for two objects exactly when they are the same payload:
+    the same types all the way down (``depth`` levels of containers), tensors and arrays of the
+    same dtype, shape and bytes."""
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return ("tensor", str(obj.dtype), tuple(obj.shape), xxhash.xxh3_64_intdigest(data))
+    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+        data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+        return ("ndarray", obj.dtype.str, obj.shape, xxhash.xxh3_64_intdigest(data))
+    if isinstance(obj, dict | list | tuple) and not depth:
+        return ("container", "…")
+    if isinstance(obj, dict):
+        return ("dict", tuple((fingerprint(k, depth - 1), fingerprint(v, depth - 1)) for k, v in obj.items()))
+    if isinstance(obj, list | tuple):
+        return (type(obj).__name__, tuple(fingerprint(x, depth - 1) for x in obj))
+    if isinstance(obj, bytes | bytearray):
+        return (type(obj).__name__, xxhash.xxh3_64_intdigest(obj))
+    if isinstance(obj, float):
+        return ("float", obj.hex())  # (NaN equals itself here, as its bytes do)
+    return (type(obj).__name__, repr(obj))  # (an array of objects or a sparse tensor: no put takes one)
+
+
+def as_carried(obj: object, depth: int = DEPTH) -> object:
+    """``obj`` as the wire carries it: msgpack has one array type, so a tuple arrives as a list,
+    except as a map's key (a list cannot be one), where it stays a tuple."""
+    if not depth:
+        return obj
+    if isinstance(obj, dict):
+        return {k: as_carried(v, depth - 1) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [as_carried(x, depth - 1) for x in obj]
+    return obj
+
+
+def watch_payloads(connector: ShmConnector, offered: dict[str, set[Hashable]], report: Callable[[str], None]) -> None:
+    """Wrap ``connector``'s put and get: a put adds its payload to ``offered`` under its key before
+    it starts (its process may die before it returns, its chunk committed), and a get that hands
+    out a payload no put offered under that key is ``report`` ed. ``offered`` is shared by every
+    connector of a world: a chunk's writer and reader are different ones."""
+    put, get = connector.put, connector.get
+
+    async def watched_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
+        offered.setdefault(put_key, set()).add(fingerprint(as_carried(data)))
+        return await put(from_stage, to_stage, put_key, data)
+
+    async def watched_get(
+        from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[Any, int] | None:
+        result = await get(from_stage, to_stage, get_key, metadata, **kwargs)
+        key = ShmConnector._resolve_key(get_key, metadata)
+        if result is not None and fingerprint(result[0]) not in offered.get(key, set()):
+            report(f"the get of {key} handed out a payload no put of {key} was asked to send")
+        return result
+
+    connector.put = watched_put  # type: ignore[method-assign]
+    connector.get = watched_get  # type: ignore[method-assign]
