@@ -272,8 +272,9 @@ def corrupt_segment(store: Store, key: str) -> None:
 #: How a forged frame lies about its buffers -> what the error of a reader that rejects it must
 #: name. Each lie is one check of the decoder's to catch (the trailer and the checksum are valid
 #: for the bytes a reader would take), and a reader that meets it deserves to be told which.
-#: The first four lie about where the codes' bytes are, the last about the frame's length; the
-#: others in the codes' reference itself, which a reader that did not check it could not follow.
+#: The first four lie about where the codes' bytes are; the others in the codes' reference
+#: itself, which a reader that did not check it could not follow, or in the frame's prefix and
+#: trailer.
 FORGERIES = {
     "overlapping": "overlapping buffer references",
     "short_buffer": "needs 3200 bytes, got 3192",
@@ -288,9 +289,15 @@ FORGERIES = {
     "object_array": "unsupported ndarray dtype 'O'",
     "negative_dimensions": "bad shape [-16, -25]",
     "trailer_length": "the commit trailer says",
+    "uncommitted": "uncommitted frame",
+    "bad_magic": "bad magic",
+    "header_past_the_end": "runs past the end",
+    "too_short": "frame too short",
 }
 
 _CODES_SHAPE = [16, 25]
+#: A frame's prefix (magic and header length): ``too_short`` is no more than that.
+_PREFIX_BYTES = 8
 
 
 def _codes_reference(lie: str, at: int, nbytes: int) -> msgpack.ExtType:
@@ -325,11 +332,13 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     bytes; ``short_buffer``, the codes' buffer holds one value less than their shape needs;
     ``past_the_end``, the codes' buffer runs into the commit trailer; ``negative_offset``, it
     starts before the buffers, in the header; ``trailer_length``, the commit trailer says the
-    frame is longer than it is; the others, the codes' reference names an extension type or a
-    dtype that does not exist, an array of objects, negative dimensions, is not msgpack, gives
-    its offset as a string, or has three fields, not four. The checksum covers what a
-    reader that did not check the references would take: the head, then each buffer's bytes as
-    its shape needs them, in the header's order."""
+    frame is longer than it is; ``uncommitted``, its trailer has no commit magic; ``bad_magic``
+    and ``header_past_the_end``, its prefix has a foreign magic or a header length past the
+    frame's end; ``too_short``, it is a prefix and nothing more; the others, the codes'
+    reference names an extension type or a dtype that does not exist, an array of objects,
+    negative dimensions, is not msgpack, gives its offset as a string, or has three fields, not
+    four. The checksum covers what a reader that did not check the references would take: the
+    head, then each buffer's bytes as its shape needs them, in the header's order."""
     codes = np.full(_CODES_SHAPE, 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
     # Where the codes' and the flags' buffers are, from the start of the buffers; what the body holds there.
     if lie == "overlapping":
@@ -351,7 +360,10 @@ def forged_frame(lie: str = "overlapping") -> bytes:
             "meta": {"finished": flags[0], "is_segment_finished": flags[1]},
         }
     )
-    prefix = struct.pack("<4sI", MAGIC, len(header))
+    if lie == "too_short":
+        return bytes(_PREFIX_BYTES)
+    header_len = len(header) + (1 << 20) if lie == "header_past_the_end" else len(header)
+    prefix = struct.pack("<4sI", b"JUNK" if lie == "bad_magic" else MAGIC, header_len)
     base = (len(prefix) + len(header) + ALIGN - 1) // ALIGN * ALIGN
     body = (prefix + header).ljust(base, b"\0") + buffers
     # What a reader past the body's end meets first: the trailer's magic and its zero pad.
@@ -359,4 +371,5 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     taken = [(base + codes_at, len(codes)), (base + flags_at, 1), (base + flags_at + 1, 1)]
     checksum = xxhash.xxh3_64_intdigest(prefix + header + b"".join(whole[at : at + n] for at, n in taken))
     length = len(body) + ALIGN if lie == "trailer_length" else len(body)
-    return body + TRAILER.pack(COMMIT_MAGIC, 0, checksum, length)
+    commit = bytes(len(COMMIT_MAGIC)) if lie == "uncommitted" else COMMIT_MAGIC
+    return body + TRAILER.pack(commit, 0, checksum, length)
