@@ -56,11 +56,12 @@ def sweep_made_stores() -> None:
         stem = f"omnisim-{_made.pop()}-"
         for name in os.listdir(SHM_DIR):
             if name.startswith(stem):
-                _remove(os.path.join(SHM_DIR, name))
+                remove(os.path.join(SHM_DIR, name))
 
 
-def _remove(path: str) -> None:
-    """Remove ``path``, a folder with what it holds."""
+def remove(path: str) -> None:
+    """Remove ``path``, a folder with what it holds (whoever's the names inside are: a run's own,
+    or what its scenario planted there)."""
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISDIR(os.lstat(path).st_mode):
             for name in os.listdir(path):

@@ -342,7 +342,10 @@ def _omnisim_names() -> set[str]:
 def _reclaim(before: set[str], *, ownerless_too: bool) -> None:
     """Remove what the campaign's children left in /dev/shm (a mutant may well break the
     runtime's own cleanup): every namespace new since the campaign began whose owner is dead,
-    and, when no child runs (so none is half-way through making one), those with no owner."""
+    and, when no child runs (so none is half-way through making one), those with no owner. With
+    the harness's own code, folders and what scenarios planted in them included: the runtime's
+    removal rightly leaves a folder holding names that are not ours."""
+    from omnisim import devshm
     from runtime.connectors.namespaces import NAME, ProcTable, ShmDirectory, owner_state
 
     directory = ShmDirectory()
@@ -358,7 +361,7 @@ def _reclaim(before: set[str], *, ownerless_too: bool) -> None:
         if gone:
             for name in names:
                 with contextlib.suppress(OSError):
-                    directory.remove(name)
+                    devshm.remove(os.path.join(directory.path, name))
 
 
 def load_equivalents(path: Path = EQUIVALENTS) -> dict[str, str]:
