@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 from invariants import invariant
 from invariants.observed import ObservedWorld
@@ -166,27 +167,29 @@ def ring_max_payload(capacity: int, fraction: float = 0.25) -> int:
 _RING_HELD = {1: "being written", 2: "unread", 6: "aborted"}
 
 
-def ring_frames_held(view: memoryview) -> list[str]:
-    """``KEY (why)`` for every frame between the tail and the head of the ring whose bytes are
-    ``view`` that holds its space (see :data:`_RING_HELD`)."""
+def _ring_frames(view: memoryview) -> Iterator[tuple[int, int, str, int]]:
+    """``(pos, state, key, span)`` of every frame from the tail to the head of the ring whose bytes
+    are ``view``, oldest first."""
     data = len(view) - RING_HEADER
     if data < RING_ALIGN:
-        return []
-    head, tail = _RING_WORDS.unpack_from(view, 16)
-    out = []
-    pos = tail
+        return
+    head, pos = _RING_WORDS.unpack_from(view, 16)
     for _ in range(data // RING_ALIGN):  # (at most one frame per aligned slot: garbage cannot loop it)
         if pos >= head:
-            break
+            return
         at = RING_HEADER + pos % data
         state, key_len, _, span = _RING_FRAME.unpack_from(view, at)
         if span <= 0:
-            break  # a producer killed between reserving a frame and describing it
-        if state in _RING_HELD:
-            key = bytes(view[at + _RING_FRAME.size : at + _RING_FRAME.size + key_len]).decode("ascii", "replace")
-            out.append(f"{key} ({_RING_HELD[state]})")
+            return  # a producer killed between reserving a frame and describing it
+        key = bytes(view[at + _RING_FRAME.size : at + _RING_FRAME.size + key_len]).decode("ascii", "replace")
+        yield pos, state, key, span
         pos += span
-    return out
+
+
+def ring_frames_held(view: memoryview) -> list[str]:
+    """``KEY (why)`` for every frame between the tail and the head of the ring whose bytes are
+    ``view`` that holds its space (see :data:`_RING_HELD`)."""
+    return [f"{key} ({_RING_HELD[state]})" for _, state, key, _ in _ring_frames(view) if state in _RING_HELD]
 
 
 def ring_room(view: memoryview, key: str, nbytes: int) -> tuple[int, int]:
@@ -196,11 +199,10 @@ def ring_room(view: memoryview, key: str, nbytes: int) -> tuple[int, int]:
     takes. The put had room if ``free >= needed``."""
     data = len(view) - RING_HEADER
     head, tail = _RING_WORDS.unpack_from(view, 16)
-    while tail < head:
-        state, _, _, span = _RING_FRAME.unpack_from(view, RING_HEADER + tail % data)
-        if state not in _RING_FINISHED or span <= 0:
+    for pos, state, _, span in _ring_frames(view):
+        if state not in _RING_FINISHED:
             break
-        tail += span
+        tail = pos + span
     needed = _aligned(_RING_FRAME.size + len(key.encode("ascii"))) + _aligned(nbytes)
     offset = head % data
     remainder = data - offset if offset + needed > data else 0
