@@ -59,6 +59,7 @@ def no_residue_after_sweep(world: ObservedWorld) -> list[str]:
             continue
         for name, store in snap.stores.items():
             left = store.segments + store.lock_files + store.rings + store.spares
+            left += ["its owner record"] if store.owner_record else []
             if store.owner_dead and left:
                 out.append(f"after the sweep, {name} still holds {', '.join(left[:5])}")
     return out
@@ -241,3 +242,15 @@ def ring_before_segments(world: ObservedWorld) -> list[str]:
         elif ev.name == "shm.cleanup.begin":
             in_segment.discard(key)
     return out
+
+
+@invariant(
+    "full-store-clean",
+    "a full /dev/shm fails a put cleanly, naming the cause, and only when what is unread leaves no room: spares "
+    "and consumed chunks give way first, and what fit comes back whole (checked by the full-store scenario)",
+)
+def full_store_clean(world: ObservedWorld) -> list[str]:
+    return [
+        f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
+        for e in world.missed_expectations("room.case")
+    ]

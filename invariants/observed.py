@@ -83,6 +83,8 @@ class StoreSnapshot:
     #: Every name of the namespace still there, in the snapshot taken after its owner's own sweep
     #: as it exits (``omnisim-{namespace}-…`` in /dev/shm, or the memory store's equivalents).
     names: list[str] = field(default_factory=list)
+    #: The namespace's owner record is still there (an operator's sweep removes it last).
+    owner_record: bool = True
 
 
 #: The snapshots taken once the world went idle: everything a request held must be gone there.

@@ -862,6 +862,8 @@ def cmd_explore(args: argparse.Namespace) -> int:
     names = sorted(registry.SCENARIOS) if args.all else [registry.get_scenario(args.scenario).name]
     if args.strategy == "ordered" and args.all and not args.order:
         names = [n for n in names if registry.SCENARIOS[n].constraints]
+    if args.all:
+        names = [n for n in names if not _left_out(registry.SCENARIOS[n], args.store)]
     if args.param:
         for name in names:
             registry.SCENARIOS[name].configurations(args.param)
@@ -960,6 +962,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _left_out(scn: Any, store: str) -> bool:
+    """Whether ``scn`` cannot run on ``store`` here; if so, say why on stderr."""
+    why = scn.unavailable(store)
+    if why is not None:
+        print(f"{scn.name} [{store}]: left out: {why}", file=sys.stderr)
+    return why is not None
+
+
 def check_plans(scn: Any, budget: int, stores: list[str]) -> list[tuple[str, str, int, list[str]]]:
     """What ``check`` runs for one scenario: every strategy that can find something (the random
     walk, PCT, and the scenario's ordering if it declares one) on each store, and the random walk
@@ -968,7 +978,7 @@ def check_plans(scn: Any, budget: int, stores: list[str]) -> list[tuple[str, str
     quarter of the memory store's budget (a schedule there costs real system calls)."""
     share = scn.budget(budget)
     plans = []
-    for store in stores:
+    for store in (s for s in stores if not _left_out(scn, s)):
         scale = 1 if store == "memory" else 4
         plans.append(("random", store, max(1, share // scale), []))
         plans.append(("pct", store, max(1, share // (2 * scale)), []))

@@ -15,22 +15,31 @@ import os
 import re
 import stat
 
+from omnisim import tmpfs
 from runtime.connectors.namespaces import SHM_DIR, Owner
 from runtime.connectors.wakeup import FifoWakeups
 
-#: The namespace of every POSIX store made for a simulated world and not yet swept: chosen
-#: before the store is made, so a run interrupted while its world was being built still has
-#: everything of it removed, by name.
-_made: list[str] = []
+#: The namespace of every POSIX store made for a simulated world and not yet swept, with the
+#: folder it is in: chosen before the store is made, so a run interrupted while its world was
+#: being built still has everything of it removed, by name.
+_made: list[tuple[str, str]] = []
+#: The private tmpfs mounts of the worlds (see :mod:`omnisim.tmpfs`), unmounted last.
+_mounts: list[str] = []
 #: The FIFO wakeup buses of the simulated processes whose descriptors may still be open.
 _buses: list[FifoWakeups] = []
 #: The descriptors scenarios hold on what they planted in /dev/shm.
 _held: list[int] = []
 
 
-def made(namespace: str) -> None:
-    """Remove every name of ``namespace`` at the end of the run."""
-    _made.append(namespace)
+def made(namespace: str, directory: str = SHM_DIR) -> None:
+    """Remove every name of ``namespace`` in ``directory`` at the end of the run."""
+    _made.append((namespace, directory))
+
+
+def mounted(path: str) -> str:
+    """Unmount the tmpfs at ``path`` at the end of the run; ``path``."""
+    _mounts.append(path)
+    return path
 
 
 def opened(bus: FifoWakeups) -> None:
@@ -53,10 +62,12 @@ def sweep_made_stores() -> None:
     while _held:
         os.close(_held.pop())
     while _made:
-        stem = f"omnisim-{_made.pop()}-"
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(stem):
-                remove(os.path.join(SHM_DIR, name))
+        namespace, directory = _made.pop()
+        for name in os.listdir(directory):
+            if name.startswith(f"omnisim-{namespace}-"):
+                remove(os.path.join(directory, name))
+    while _mounts:
+        tmpfs.unmount(_mounts.pop())
 
 
 def remove(path: str) -> None:
@@ -107,6 +118,18 @@ def opened_since(before: dict[int, str]) -> list[str]:
     """What each descriptor opened since ``before`` (a :func:`descriptors`) and still open points
     at, but the ones a scenario holds."""
     return [what for fd, what in sorted(descriptors().items() - before.items()) if fd not in _held]
+
+
+def not_ours(path: str) -> bool:
+    """Whether ``path`` exists and is not something the runtime makes: a regular file or FIFO of
+    this user with mode 0600, or a folder of this user with mode 0700."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mode = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+    kind = stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode) or stat.S_ISDIR(st.st_mode)
+    return not (kind and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == mode)
 
 
 def receivers_fifos(folder: str, leave_out: set[str]) -> list[str]:

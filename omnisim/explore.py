@@ -147,6 +147,9 @@ async def run_once_async(
     """:func:`run_once` inside a running trio loop (used to run many schedules in one loop)."""
     if store not in STORES:
         raise UsageError(f"unknown store {store!r}; choose one of: {', '.join(STORES)}")
+    why = scn.unavailable(store)
+    if why is not None:
+        raise UsageError(f"scenario {scn.name!r} cannot run on the {store} store here: {why}")
     single_threaded()
     config = scn.params_for(seed, params)
     kernel = SimKernel(strategy, faults=scn.faults(seed), horizon_s=scn.horizon_s)

@@ -10,6 +10,8 @@ kind                       fires at (default)    what happens
 ``put_fail``               ``shm.put.begin``     a storage error: ``put`` reports failure
 ``store_full``             ``shm.put.locked``    ENOSPC (space) before the segment exists
 ``enospc_inodes``          ``shm.put.begin``     ENOSPC (inodes): no lock file can be made
+``reserve_full``           ``shm.put.created``   ENOSPC (space) once the segment or ring frame
+                                                 exists: its reservation fails
 ``foreign_name``           ``shm.put.locked``    the segment's name is taken by a foreign object
 ``put_raise_after_create`` ``shm.put.written``   ``put`` raises with the segment left behind
 ``decode_fail``            ``shm.get.consumed``  the bytes were taken but do not decode
@@ -65,6 +67,7 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | N
     "put_fail": ("shm.put.begin", lambda a: InjectedStoreError(f"injected put failure for {_key(a)}")),
     "store_full": ("shm.put.locked", lambda a: StoreFull(_key(a), 0)),
     "enospc_inodes": ("shm.put.begin", lambda a: StoreFull(_key(a), 0, inodes=True)),
+    "reserve_full": ("shm.put.created", lambda a: StoreFull(_key(a), 0)),
     "foreign_name": (
         "shm.put.locked",
         lambda a: ForeignName(f"cannot create segment {_key(a)!r}: its name is taken by something that is not ours"),
@@ -139,7 +142,15 @@ def fixed_fault(entry: object) -> Fault:
 
 
 #: What ``--faults sampled`` draws from: the storage failures the runtime must survive anywhere.
-SAMPLED_KINDS = ("put_fail", "store_full", "enospc_inodes", "foreign_name", "put_raise_after_create", "decode_fail")
+SAMPLED_KINDS = (
+    "put_fail",
+    "store_full",
+    "reserve_full",
+    "enospc_inodes",
+    "foreign_name",
+    "put_raise_after_create",
+    "decode_fail",
+)
 
 
 def sampled_kinds(spec: str) -> tuple[str, ...] | None:

@@ -106,6 +106,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "processor.flags": ("note", "the finish flags a chunk carried, next to spec §3.4 step 5's [req, chunk, got, want]"),
     "config.fact": ("note", "what resolving or validating a config gave, and what spec §1 says [fact, got, want]"),
     "input.case": ("note", "what a bad or boundary input gave, and what it must give [what, got, want]"),
+    "room.case": ("note", "what a put or get on a store of bounded room gave, and what it must give [what, got, want]"),
     "shm.planted": ("note", "what became of a name a scenario planted in /dev/shm, and what must [what, got, want]"),
     "serving.timestamps_over_http": ("note", "an HTTP streaming request with word timestamps was judged [accepted]"),
     "client.timestamps": ("note", "where a client's last word ends, and how long its audio is [req, end_ms, audio_ms]"),

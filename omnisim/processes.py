@@ -293,6 +293,7 @@ FORGERIES = {
     "bad_magic": "bad magic",
     "header_past_the_end": "runs past the end",
     "too_short": "frame too short",
+    "header_not_msgpack": "corrupt header",
 }
 
 _CODES_SHAPE = [16, 25]
@@ -334,7 +335,8 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     starts before the buffers, in the header; ``trailer_length``, the commit trailer says the
     frame is longer than it is; ``uncommitted``, its trailer has no commit magic; ``bad_magic``
     and ``header_past_the_end``, its prefix has a foreign magic or a header length past the
-    frame's end; ``too_short``, it is a prefix and nothing more; the others, the codes'
+    frame's end; ``too_short``, it is a prefix and nothing more; ``header_not_msgpack``, its
+    header is not msgpack; the others, the codes'
     reference names an extension type or a dtype that does not exist, an array of objects,
     negative dimensions, is not msgpack, gives its offset as a string, or has three fields, not
     four. The checksum covers what a reader that did not check the references would take: the
@@ -362,6 +364,8 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     )
     if lie == "too_short":
         return bytes(_PREFIX_BYTES)
+    if lie == "header_not_msgpack":
+        header = b"\xc1" + header[1:]  # a byte msgpack never uses, where the map begins
     header_len = len(header) + (1 << 20) if lie == "header_past_the_end" else len(header)
     prefix = struct.pack("<4sI", b"JUNK" if lie == "bad_magic" else MAGIC, header_len)
     base = (len(prefix) + len(header) + ALIGN - 1) // ALIGN * ALIGN

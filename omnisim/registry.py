@@ -85,6 +85,8 @@ class Scenario:
     params: tuple[Param, ...] = ()
     #: Faults added from the command line (``--fault``), as given: an artifact records them.
     fault_specs: tuple[str, ...] = ()
+    #: Why the scenario cannot run on a store here (None: it can), e.g. a right the machine lacks.
+    unavailable: Callable[[str], str | None] = lambda store: None
 
     def with_faults(self, specs: Sequence[str]) -> Scenario:
         """This scenario with the faults ``specs`` (see :func:`~omnisim.faults.parse_fault`)
@@ -186,11 +188,14 @@ def scenario(
     horizon_s: float = 20.0,
     budget_share: float = 1.0,
     params: tuple[Param, ...] = (),
+    unavailable: Callable[[str], str | None] = lambda store: None,
 ) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register the decorated ``async def body(world)`` as scenario ``name``.
 
     With ``params``, ``build(store_kind, params)`` gets the run's configuration (also on
-    ``world.params``), and exploring walks through every combination of the values."""
+    ``world.params``), and exploring walks through every combination of the values.
+    ``unavailable(store)`` says why it cannot run on ``store`` on this machine (None: it can):
+    a check leaves such a store out and says so; asking for it is a usage error."""
 
     def register(body: ScenarioBody) -> ScenarioBody:
         if name in SCENARIOS:
@@ -207,6 +212,7 @@ def scenario(
             horizon_s,
             budget_share,
             params,
+            unavailable=unavailable,
         )
         return body
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
-from omnisim import devshm
+from omnisim import devshm, tmpfs
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
 from omnisim.payloads import watch_payloads
@@ -49,18 +49,37 @@ SIM_RING = StageTransport(send_ring_bytes=SIM_RING_BYTES, receive_ring=True)
 QUIESCE_S = 0.25
 
 
-def make_store(kind: str, owner: Owner | None = None, *, spare_min_bytes: int = 0) -> Store:
+@dataclass(frozen=True)
+class Room:
+    """How much a store holds, as a tmpfs's size and inode count do: ``bytes`` and ``names``;
+    and from what size on it keeps a consumed segment as a spare (see ``make_store``)."""
+
+    bytes: int
+    names: int
+    spare_min_bytes: int = 0
+
+
+def make_store(
+    kind: str,
+    owner: Owner | None = None,
+    *,
+    spare_min_bytes: int = 0,
+    room: Room | None = None,
+    directory: str = namespaces.SHM_DIR,
+) -> Store:
     """A fresh namespace of the given kind; ``owner`` is the simulated process that owns it (a
     POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone).
     ``spare_min_bytes``: 0 in a simulated world, where every consumed segment is kept as a spare
-    (as a large one is in production), so every scenario runs the spares' hand-back and reuse."""
+    (as a large one is in production), so every scenario runs the spares' hand-back and reuse.
+    ``room``: what a store in memory holds (a POSIX one holds what its ``directory`` does)."""
     if kind == "memory":
         name = f"n{owner.pid}" if owner is not None else "mem"
-        return MemoryStore(name, owner=owner, spare_min_bytes=spare_min_bytes)
+        bounds = {"capacity": room.bytes, "max_names": room.names} if room is not None else {}
+        return MemoryStore(name, owner=owner, spare_min_bytes=spare_min_bytes, **bounds)
     if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
-        devshm.made(namespace)
-        return PosixStore(namespace, claim=True, spare_min_bytes=spare_min_bytes)
+        devshm.made(namespace, directory)
+        return PosixStore(namespace, claim=True, spare_min_bytes=spare_min_bytes, directory=directory)
     raise UsageError(f"unknown store {kind!r}; choose one of: {', '.join(STORES)}")
 
 
@@ -81,12 +100,21 @@ PAUSE_S = 3.0
 class World:
     """The stages of one run and the client streams they serve."""
 
-    def __init__(self, store_kind: str, *, processes: bool = False) -> None:
+    def __init__(self, store_kind: str, *, processes: bool = False, room: Room | None = None) -> None:
+        """``room``: a store that holds only that much, every namespace of the run together; on
+        POSIX stores, a private tmpfs of that size and inode count plays /dev/shm, so it fills up
+        with the kernel's own ENOSPC (see :mod:`omnisim.tmpfs`)."""
         self.store_kind = store_kind
         self.processes = SimProcesses()
         #: Process name -> its identity, its store, and its handle on that store.
         self.owners: dict[str, Owner] = {MAIN_PROCESS: self.processes.spawn()}
-        self.store = make_store(store_kind, self.owners[MAIN_PROCESS])
+        self.room = room
+        #: The folder that plays /dev/shm for the run's POSIX stores.
+        self.shm_dir = namespaces.SHM_DIR
+        if room is not None and store_kind != "memory":
+            # (+2: its root folder, and the owner record, which a store in memory does not count)
+            self.shm_dir = devshm.mounted(tmpfs.mount(room.bytes, room.names + 2))
+        self.store = self.make_store(self.owners[MAIN_PROCESS])
         #: Every namespace of the run, by a name of the world's own ("ns0", "ns1", … in the order
         #: they were made, so traces are the same in every run; a POSIX one is really named at
         #: random): -> (its store, the process that owns it).
@@ -125,6 +153,9 @@ class World:
         self.params: dict[str, str] = {}
         #: The run's seed, for workload choices a scenario draws (e.g. when to shut down).
         self.seed = 0
+        #: The namespaces whose owner record an operator's sweep removed (in a world, the records
+        #: are the world's: see ``_WorldDirectory``).
+        self.owner_records_removed: set[str] = set()
         #: Virtual time each process died at.
         self.deaths: dict[str, float] = {}
         #: A task hangs for good (a ``stall`` fault fired).
@@ -156,7 +187,7 @@ class World:
         store: Store = self.store
         if own_process:
             process = f"stage{stage_id}"
-            raw = make_store(self.store_kind, self.spawn(process))
+            raw = self.make_store(self.spawn(process))
             self.add_namespace(raw, process)
             store = self.handle(process, raw)
         upstream = self.stages.get(stage_id - 1)
@@ -175,10 +206,15 @@ class World:
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
         self._counted[stage_id] = count_transfers(connector)
-        watch_payloads(connector, self._offered, lambda message: self.probe("no-corrupt-accept", False, message))
+        self.watch_payloads(connector)
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
+
+    def watch_payloads(self, connector: ShmConnector) -> None:
+        """Check every payload ``connector`` hands out against what the world's puts were asked
+        to send (``no-corrupt-accept``); a stage's connector is watched from the start."""
+        watch_payloads(connector, self._offered, lambda message: self.probe("no-corrupt-accept", False, message))
 
     def wakeups_of(self, process: str) -> Wakeups:
         """The arrival wakeups of a stage in ``process``: the world's one bus, as the stages of one
@@ -190,7 +226,7 @@ class World:
         bus = self._buses.get(process)
         if bus is None:
             assert isinstance(self.store, PosixStore)
-            bus = self._buses[process] = FifoWakeups(self.store.namespace)
+            bus = self._buses[process] = FifoWakeups(self.store.namespace, shm_dir=self.shm_dir)
             devshm.opened(bus)
         return bus
 
@@ -199,18 +235,18 @@ class World:
         the scenario to make something there the runtime did not make and must leave alone, as a
         hostile or careless user would; removed with the namespace at the end of the run."""
         assert isinstance(self.store, PosixStore), "only a POSIX store has names to plant next to"
-        path = os.path.join(namespaces.SHM_DIR, f"omnisim-{self.store.namespace}-{name}")
+        path = os.path.join(self.shm_dir, f"omnisim-{self.store.namespace}-{name}")
         self._planted_here.add(path)
         return path
 
     def _wake_folder(self) -> str:
         assert isinstance(self.store, PosixStore)
-        return os.path.join(namespaces.SHM_DIR, f"omnisim-{self.store.namespace}-wake")
+        return os.path.join(self.shm_dir, f"omnisim-{self.store.namespace}-wake")
 
     def _planted_at(self, store: Store, name: str) -> bool:
         """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace."""
         return isinstance(store, PosixStore) and (
-            os.path.join(namespaces.SHM_DIR, f"omnisim-{store.namespace}-{name}") in self._planted_here
+            os.path.join(self.shm_dir, f"omnisim-{store.namespace}-{name}") in self._planted_here
         )
 
     def _live_fifos(self) -> list[str]:
@@ -320,6 +356,13 @@ class World:
         self.namespaces[namespace] = (store, process)
         return store
 
+    def make_store(self, owner: Owner | None = None) -> Store:
+        """A fresh namespace of the world's kind, owned by ``owner``, in the world's room."""
+        spare_min_bytes = self.room.spare_min_bytes if self.room is not None else 0
+        return make_store(
+            self.store_kind, owner, spare_min_bytes=spare_min_bytes, room=self.room, directory=self.shm_dir
+        )
+
     def alive(self, process: str) -> bool:
         return self.processes.alive(self.owners[process])
 
@@ -327,7 +370,7 @@ class World:
         """The store of ``namespace``; one no process claimed yet is made, owned by nobody (as a
         reader attaches to the namespace of a stage process that is still starting)."""
         if namespace not in self.namespaces:
-            self.namespaces[namespace] = (make_store(self.store_kind), "")
+            self.namespaces[namespace] = (self.make_store(), "")
         return self.namespaces[namespace][0]
 
     def sweep_namespace(self, namespace: str) -> None:
@@ -347,6 +390,8 @@ class World:
         for name in store.spares():
             store.remove_spare(name)
             k.note("sweep.removed", ns=namespace, name=f"spare-{name}")
+        self.owner_records_removed.add(namespace)
+        k.note("sweep.removed", ns=namespace, name=namespaces.OWNER_SUFFIX)
         self.snapshot("after sweep")
 
     def crash(self, process: str) -> None:
@@ -377,7 +422,7 @@ class World:
         tells the two apart."""
         gone = Owner(self.owners[reuse_pid_of].pid, 0, self.owners[reuse_pid_of].pid_namespace)
         self.owners["dead-engine"] = gone
-        store = make_store(self.store_kind, gone)
+        store = self.make_store(gone)
         current_kernel().note("world.owner_died", ns=self.add_namespace(store, "dead-engine"))
         for key in keys:
             segment = store.create_segment(key)
@@ -413,7 +458,13 @@ class World:
     async def sweep_dead(self) -> SweepReport:
         """What an operator's ``omnisim sweep`` does, on this world's namespaces: remove every one
         whose owner is dead. Records a snapshot right after, for ``no-residue-after-sweep``."""
-        report = await namespaces.sweep(_WorldDirectory(self), self.processes)
+        directory = _WorldDirectory(self)
+        report = await namespaces.sweep(directory, self.processes)
+        self.probe(
+            "no-residue-after-sweep",
+            report.removed == directory.removed,
+            f"the sweep reports it removed {report.removed}, but it removed {directory.removed}",
+        )
         self.snapshot("after sweep")
         return report
 
@@ -443,6 +494,7 @@ class World:
                 ring_frames=self._held_ring_frames(store),
                 spares=store.spares(),
                 wakeup_fifos=self._live_fifos() if store is self.store else [],
+                owner_record=namespace not in self.owner_records_removed,
             )
             for namespace, (store, process) in self.namespaces.items()
         }
@@ -499,10 +551,17 @@ class World:
         :mod:`runtime.stage_process`): it sweeps its own namespace. Snapshot ``at exit``: what is
         left of those namespaces (a dead process's waits for an operator's sweep)."""
         left = {}
+        foreign = sorted(path for path in self._planted_here if devshm.not_ours(path))
         for namespace, (store, process) in self.namespaces.items():
             if process and self.alive(process):
                 store.sweep()
                 left[f"{self.store_kind} {namespace}"] = StoreSnapshot([], [], names=self._names_of(store))
+        for path in foreign:
+            self.probe(
+                "foreign-names-untouched",
+                os.path.lexists(path),
+                f"the sweep of a process's own namespace as it exits removed {os.path.basename(path)}, not ours",
+            )
         before = self._descriptors_at_start
         opened = [] if self.deaths or before is None else devshm.opened_since(before)
         self.snapshots.append(Snapshot("at exit", left, {}, opened))
@@ -513,8 +572,8 @@ class World:
             stem = f"omnisim-{store.namespace}-"
             return sorted(
                 name
-                for name in os.listdir(namespaces.SHM_DIR)
-                if name.startswith(stem) and os.path.join(namespaces.SHM_DIR, name) not in self._planted_here
+                for name in os.listdir(self.shm_dir)
+                if name.startswith(stem) and os.path.join(self.shm_dir, name) not in self._planted_here
             )
         names = [f"segment {k}" for k in store.segments()] + [f"lock {k}" for k in store.lock_files()]
         names += [f"ring {k}" for k in store.rings()] + [f"spare {k}" for k in store.spares()]
@@ -602,22 +661,28 @@ class _WorldDirectory:
 
     def __init__(self, world: World) -> None:
         self._world = world
+        #: Every name removed through it, in order: what a sweep's report must list.
+        self.removed: list[str] = []
 
     def entries(self) -> list[Entry]:
         out = []
         for namespace, (store, _) in sorted(self._world.namespaces.items()):
             names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()]
-            names += [f"ring-{k}" for k in store.rings()] + [f"spare-{k}" for k in store.spares()] + ["owner"]
+            names += [f"ring-{k}" for k in store.rings()] + [f"spare-{k}" for k in store.spares()]
+            names += [] if namespace in self._world.owner_records_removed else [namespaces.OWNER_SUFFIX]
             out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, math.inf) for n in names)
         return out
 
     def read_owner(self, namespace: str) -> Owner | None:
         found = self._world.namespaces.get(namespace)
-        return self._world.owners.get(found[1]) if found is not None else None
+        if found is None or namespace in self._world.owner_records_removed:
+            return None
+        return self._world.owners.get(found[1])
 
     def remove(self, name: str) -> None:
         match = namespaces.NAME.fullmatch(name)
         assert match is not None, name
+        self.removed.append(name)
         store, _ = self._world.namespaces[match.group(1)]
         kind, _, key = match.group(2).partition("-")
         if kind == "seg":
@@ -628,3 +693,5 @@ class _WorldDirectory:
             store.unlink_ring(key)
         elif kind == "spare":
             store.remove_spare(key)
+        elif kind == namespaces.OWNER_SUFFIX:
+            self._world.owner_records_removed.add(match.group(1))

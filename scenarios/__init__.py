@@ -5,6 +5,7 @@ from scenarios import (  # noqa: F401
     config_contract,
     connector,
     crash,
+    full,
     generation_merge,
     hostile,
     hostile_shm,

@@ -15,6 +15,7 @@ import contextlib
 from omnisim.faults import InjectedCrash
 from omnisim.world import World
 from runtime.connectors.base import CorruptChunk
+from runtime.connectors.shm import ShmConnector
 from runtime.kernel import current_kernel
 from scenarios.crash import DATA_PLANE
 from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, codec_frames, edge_scenario
@@ -59,3 +60,41 @@ async def cleanup_during_put(world: World) -> None:
         race.start_soon(clean, name="C.cleanup")
         race.start_soon(read, name="C.read")
     await talker.cleanup(KEY)  # what a release does once the request is gone
+
+
+@edge_scenario(
+    "producer_replaced",
+    summary="the Talker's connector closes while Code2Wav still has its ring mapped, and a new connector of the same "
+    "stage takes over the edge (as a stage rebuilt in its process does): Code2Wav lets go of the old ring and takes "
+    "the new connector's chunk, and nothing of either is left",
+    issue="spec §2.7 (close), issue 13 (a ring a successor may make under the same name)",
+    invariants=DATA_PLANE,
+)
+async def producer_replaced(world: World) -> None:
+    k = current_kernel()
+    old, code2wav = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
+    edge = (str(TALKER), str(CODE2WAV))
+    payload = {"codes": {"audio": codec_frames(4)}}
+
+    async def put_and_take(connector: ShmConnector, key: str) -> None:
+        fired = len(world.fired_faults())
+        with contextlib.suppress(InjectedCrash):
+            await connector.put(*edge, key, payload)
+        for _ in range(LOOKS):
+            with contextlib.suppress(CorruptChunk):  # (an injected decode failure: consumed all the same)
+                if await code2wav.get(*edge, key) is not None:
+                    return
+            await k.sleep(CONSUMER_WAIT_S / LOOKS)
+        # (a fault injected on the way is a cause for the chunk not to arrive)
+        world.probe("liveness", len(world.fired_faults()) > fired, f"Code2Wav never took {key}")
+
+    await put_and_take(old, "P_1_0")
+    await old.close()
+    new = ShmConnector(
+        old.store, stage_id=TALKER, wakeups=world.wakeups_of(world.stages[TALKER].process), **world.transport()
+    )
+    world.watch_payloads(new)
+    try:
+        await put_and_take(new, "P_2_0")
+    finally:
+        await new.close()

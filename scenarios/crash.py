@@ -350,10 +350,13 @@ async def stalled_reader(world: World) -> None:
     await in_process([(MAIN_PROCESS, "old", old_request), (MAIN_PROCESS, "reuse", reuse)])
 
 
-STORAGE_FAULT = Param("fault", ("store_full", "enospc_inodes", "foreign_name"), "what the put of chunk 1 meets")
+STORAGE_FAULT = Param(
+    "fault", ("store_full", "reserve_full", "enospc_inodes", "foreign_name"), "what the put of chunk 1 meets"
+)
 #: How the error of each fault a put or a get may meet names its cause.
 CAUSES = {
     "store_full": "/dev/shm is full",
+    "reserve_full": "/dev/shm is full",
     "enospc_inodes": "no inodes left",
     "foreign_name": "not ours",
     "put_fail": "injected put failure",
@@ -464,7 +467,7 @@ async def transient_read_error(world: World) -> None:
     "and leaves the key as it found it (no lock file, no segment) — nothing else will clean up after it",
     issue="omnisim issue 9 (every storage error a clean failure)",
     own=TALKER,
-    params=(Param("fault", ("store_full", "foreign_name"), "what the put meets"),),
+    params=(Param("fault", ("store_full", "reserve_full", "foreign_name"), "what the put meets"),),
     faults=lambda p: FaultPlan([Fault(p["fault"], match={"key": "P_1_0"})]),
 )
 async def failed_put(world: World) -> None:

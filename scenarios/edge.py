@@ -16,7 +16,7 @@ import torch
 
 from invariants.observed import Stream
 from omnisim.registry import ScenarioBody, scenario
-from omnisim.world import Stage, World
+from omnisim.world import Room, Stage, World
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.generation import GenerationScheduler
@@ -63,12 +63,13 @@ def edge_world(
     *,
     talker_receives: bool = False,
     code2wav_process: bool = False,
+    room: Room | None = None,
 ) -> World:
     """The edge's world. Its Talker only sends, unless ``talker_receives``: then it also registers
     for the Thinker's chunks (no Thinker sends any: a request waits for input that never comes).
     ``code2wav_process``: Code2Wav runs in a process of its own, as a stage process does (on a
-    POSIX store the two then wake each other through FIFOs)."""
-    world = World(store_kind, processes=code2wav_process)
+    POSIX store the two then wake each other through FIFOs). ``room``: what the store holds."""
+    world = World(store_kind, processes=code2wav_process, room=room)
     # Code2Wav, the final stage, only receives.
     world.add_stage(TALKER, processor=processor, receives=talker_receives)
     world.add_stage(CODE2WAV, sends=False, own_process=code2wav_process)

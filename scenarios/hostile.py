@@ -54,6 +54,19 @@ BAD_PAYLOADS: dict[str, object] = {
     "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
 }
 
+#: How a get names the key ``K`` that was put: by its own key next to metadata (what the put
+#: returned, as upstream passes it on) in shapes that say nothing usable, or through metadata
+#: that names ``K``, which wins over the get's own key.
+METADATA_CASES: dict[str, Callable[[str], tuple[str, object]]] = {
+    "not a mapping": lambda key: (key, ["shm", "name"]),
+    "a handle that is not a mapping": lambda key: (key, {"shm": "name"}),
+    "a handle whose name is not a str": lambda key: (key, {"shm": {"name": 5}}),
+    "a key that is not a str": lambda key: (key, {"get_key": 7}),
+    "nothing": lambda key: (key, {"shm": None, "get_key": None}),
+    "upstream's handle of the key": lambda key: ("elsewhere_0_0", {"shm": {"name": key, "size": 1}}),
+    "the key itself": lambda key: ("elsewhere_0_0", {"get_key": key}),
+}
+
 
 #: Every dtype a tensor on the wire may have.
 TENSOR_DTYPES = (
@@ -135,6 +148,19 @@ async def hostile_keys_and_payloads(world: World) -> None:
         note_case(f"a put of {name}", "put failed" if not result.ok else "put accepted", "put failed")
         got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
         note_case(f"a get after the refused put of {name}", f"{got} {taken is not None}", "ok False")
+
+    for i, (name, get_with) in enumerate(METADATA_CASES.items()):
+        key, payload = f"meta_{i}_0", {"x": i}
+        fired = len(world.fired_faults())
+        await outcome(lambda key=key, payload=payload: sender.put(*edge, key, payload))  # type: ignore[misc]
+        get_key, metadata = get_with(key)
+        got, taken = await outcome(lambda get_key=get_key, metadata=metadata: receiver.get(*edge, get_key, metadata))  # type: ignore[misc]
+        if len(world.fired_faults()) == fired:  # (an injected fault's clean failure is checked below)
+            note_case(
+                f"a get whose metadata is {name}", f"{got} {taken is not None and same(payload, taken[0])}", "ok True"
+            )
+    got, _ = await outcome(lambda: receiver.get(*edge, "good_0_0", {"get_key": "../x"}))
+    note_case("a get whose metadata names the key '../x'", got, "InvalidKeyError")
 
     for i, (name, payload) in enumerate({"the longest key": {"x": 1}, **good_payloads()}.items()):
         key = LONGEST_KEY if i == 0 else f"good_{i}_0"

@@ -216,6 +216,19 @@ def spares_outlive_their_producer() -> Iterator[Patch]:
 
 
 @mutant(
+    "spares_never_give_way",
+    summary="a full store keeps its spares: a put that needs their space or their names fails with /dev/shm full, "
+    "though nothing unread fills it (the cache costs room)",
+    issue="spec §2.2 (a full /dev/shm), omnisim issue 13 (reusable segments)",
+    scenarios=("store_fills_up",),
+    expect=("full-store-clean",),
+)
+def spares_never_give_way() -> Iterator[Patch]:
+    yield Patch(stores.MemoryStore, "_drop_spares", lambda self: 0)
+    yield Patch(posix_store.PosixStore, "_drop_spares", lambda self: 0)
+
+
+@mutant(
     "sweep_looks_once",
     summary="a sweep does not look at a dead namespace again once it removed what it listed: the spare a live "
     "consumer hands back meanwhile is left behind",

@@ -23,13 +23,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from runtime.connectors import posix_store  # noqa: E402
+from runtime.connectors import namespaces, posix_store  # noqa: E402
 
 SHM_DIR = "/dev/shm"
 #: Namespaces made by this process: "t<pid hex>n<counter>" ("n" is not a hex digit, so the
 #: prefix of one process is never a prefix of another's).
 NAMESPACE_PREFIX = f"t{os.getpid():x}n"
 _counter = itertools.count()
+
+
+class OneNamespace(namespaces.ShmDirectory):
+    """/dev/shm as a sweep of one namespace sees it: what other runs on this machine made (a
+    simulated run's live namespace, say) is not this test's to judge or remove."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__()
+        self.namespace = namespace
+
+    def entries(self) -> list[namespaces.Entry]:
+        return [entry for entry in super().entries() if entry.namespace == self.namespace]
 
 
 def fresh_namespace() -> str:

@@ -67,8 +67,8 @@ class Edge:
     def assert_clean(self) -> None:
         assert self.stage1.residue() == {}
         assert self.stage2.residue() == {}
-        assert self.c1.residue() == {"pending_keys": [], "held_locks": []}
-        assert self.c2.residue() == {"pending_keys": [], "held_locks": []}
+        assert self.c1.residue() == {"pending_keys": [], "held_locks": [], "ring_keys": [], "putting": []}
+        assert self.c2.residue() == {"pending_keys": [], "held_locks": [], "ring_keys": [], "putting": []}
         assert self.store.segments() == []
         assert self.store.lock_files() == []
 
@@ -144,7 +144,10 @@ async def test_chunks_cross_the_edge_in_order_with_one_terminal(store: Store) ->
         # The sender retires the generation after its terminal; the idle reap forgets the
         # consumed keys although nothing more is sent (#8082 g).
         await settle(lambda: edge.stage1.residue() == {}, "the sender retires R")
-        await settle(lambda: edge.c1.residue() == {"pending_keys": [], "held_locks": []}, "the idle reap")
+        await settle(
+            lambda: edge.c1.residue() == {"pending_keys": [], "held_locks": [], "ring_keys": [], "putting": []},
+            "the idle reap",
+        )
     assert [audio.shape[1] for audio, _ in chunks] == [4, 25, 3]
     assert [finished for _, finished in chunks] == [False, False, True]
     assert torch.equal(torch.cat([audio for audio, _ in chunks], dim=1), codec_frames(32))
@@ -176,7 +179,7 @@ async def test_shm_abort_reclaims_inflight_put_without_blocking(store: Store, mo
             lambda: edge.stage1.residue() == {} and not store.segments() and not store.lock_files(),
             "the reclaim of R_1_0",
         )
-        assert edge.c1.residue() == {"pending_keys": [], "held_locks": []}
+        assert edge.c1.residue() == {"pending_keys": [], "held_locks": [], "ring_keys": [], "putting": []}
         assert "R" not in edge.stage1.sender.tables.sender_tokens
 
         # The save loop is alive: a new request still goes through.
@@ -340,12 +343,12 @@ async def test_release_shm_resources_removes_an_unread_terminal_of_an_aborted_re
         await settle(lambda: edge.stage1.residue() == {}, "the terminal is sent and R retires")
         assert token.terminal_sent
         assert store.segments() == ["R_1_0"]  # unread: downstream was aborted too
-        assert edge.c1.residue() == {"pending_keys": ["R_1_0"], "held_locks": []}
+        assert edge.c1.residue() == {"pending_keys": ["R_1_0"], "held_locks": [], "ring_keys": [], "putting": []}
         with trio.fail_after(SETTLE_S):
             removed = await edge.stage1.release_shm_resources("R")
         assert removed == 1
         assert store.segments() == [] and store.lock_files() == []
-        assert edge.c1.residue() == {"pending_keys": [], "held_locks": []}
+        assert edge.c1.residue() == {"pending_keys": [], "held_locks": [], "ring_keys": [], "putting": []}
     edge.assert_clean()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from conftest import OneNamespace
 
 from runtime.connectors import posix_store
 from runtime.connectors.base import CorruptChunk
@@ -142,7 +143,7 @@ def test_a_sweep_removes_the_spare_a_live_consumer_hands_back_while_it_runs(
 
     monkeypatch.setattr(ShmDirectory, "remove", remove)
     if how == "operator sweep":
-        trio.run(lambda: sweep(ShmDirectory(time.time), _AllDead()))
+        trio.run(lambda: sweep(OneNamespace(store.namespace), _AllDead()))
     else:
         store.sweep()
     assert _names(store.namespace) == []

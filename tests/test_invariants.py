@@ -46,6 +46,17 @@ def test_bad_input_refused_compares_each_case_with_what_it_must_give() -> None:
     ]
 
 
+def test_full_store_clean_compares_each_case_with_what_it_must_give() -> None:
+    held = world_of(("room.case", {"what": "the in-step put of F_1_3", "got": "round trip", "want": "round trip"}))
+    assert INVARIANTS["full-store-clean"].check(held) == []
+    broken = world_of(
+        ("room.case", {"what": "the in-step put of F_1_3", "got": "/dev/shm is full", "want": "round trip"})
+    )
+    assert INVARIANTS["full-store-clean"].check(broken) == [
+        "the in-step put of F_1_3: got /dev/shm is full, must give round trip"
+    ]
+
+
 def test_aligner_complete_needs_the_whole_waveform_and_refuses_http_streaming() -> None:
     held = world_of(
         ("serving.timestamps_over_http", {"accepted": False}),

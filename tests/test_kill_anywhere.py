@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+from conftest import OneNamespace
 
 from omnisim.payloads import as_carried, fingerprint
 from runtime.connectors import namespaces, posix_store
@@ -86,17 +87,6 @@ def killed_at(n: int | None, work: Callable[[], None]) -> int:
 
 def names_of(namespace: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"omnisim-{namespace}-"))
-
-
-class OneNamespace(namespaces.ShmDirectory):
-    """/dev/shm as a sweep of one namespace sees it: what other runs left is not this test's."""
-
-    def __init__(self, namespace: str) -> None:
-        super().__init__()
-        self.namespace = namespace
-
-    def entries(self) -> list[namespaces.Entry]:
-        return [entry for entry in super().entries() if entry.namespace == self.namespace]
 
 
 def connector(store: PosixStore, stage_id: int, ring: bool) -> ShmConnector:

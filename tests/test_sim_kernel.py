@@ -572,6 +572,7 @@ def test_fault_nth_hit_and_point_table() -> None:
         "decode_fail": "shm.get.consumed",
         "get_raise": "shm.get.begin",
         "enospc_inodes": "shm.put.begin",
+        "reserve_full": "shm.put.created",
         "foreign_name": "shm.put.locked",
         "crash_writer": "shm.put.written",
         "crash_reader": "shm.get.locked",

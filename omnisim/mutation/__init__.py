@@ -122,9 +122,9 @@ def mutate(
     start = time.perf_counter()
     # The faulted plans run on the memory store only: an injected fault is an exception at a
     # point, the same on every store, and a survivor runs every plan that covers it.
-    plans = [Plan(name, store) for name in names for store in STORES] + [
-        Plan(name, "memory", ("sampled",)) for name in names
-    ]
+    plans = [
+        Plan(name, store) for name in names for store in STORES if registry.SCENARIOS[name].unavailable(store) is None
+    ] + [Plan(name, "memory", ("sampled",)) for name in names]
     files = sorted({m.path for m in mutations})
     stamp = source_stamp()
     baseline = measure_baseline(plans, files, budget, seed)

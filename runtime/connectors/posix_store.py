@@ -1,10 +1,11 @@
 """PosixStore: segments are POSIX shared memory, lock files are ``flock``'d files, both in
-/dev/shm and both named ``omnisim-{namespace}-…`` so that runs never collide and every leftover is
-attributable to the run that made it.
+/dev/shm (or another tmpfs folder given as ``directory``) and both named ``omnisim-{namespace}-…``
+so that runs never collide and every leftover is attributable to the run that made it.
 
 * owner record: ``/dev/shm/omnisim-{ns}-owner`` (see :mod:`runtime.connectors.namespaces`),
   written before anything else of the namespace exists;
-* segment of key K: ``/dev/shm/omnisim-{ns}-seg-K`` (``shm_open`` name ``/omnisim-{ns}-seg-K``);
+* segment of key K: ``/dev/shm/omnisim-{ns}-seg-K`` (opened as ``shm_open`` does: the file of
+  that name in /dev/shm, ``O_NOFOLLOW``);
 * lock file of key K: ``/dev/shm/omnisim-{ns}-lock-K``;
 * ring of edge E: ``/dev/shm/omnisim-{ns}-ring-E``;
 * spare segment (see :mod:`runtime.connectors.stores`): ``/dev/shm/omnisim-{ns}-spare-K``, K the
@@ -34,11 +35,11 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import numpy as np
-import posix_ipc
 
-from runtime.connectors.keys import InvalidKeyError, validate_key
+from runtime.connectors.keys import validate_key
 from runtime.connectors.namespaces import OWNER_SUFFIX, SHM_DIR, Owner, ShmDirectory, current_owner, write_owner
 from runtime.connectors.stores import (
     SPARE_MIN_BYTES,
@@ -55,6 +56,7 @@ from runtime.connectors.wire import Buffer, WireDecodeError
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
 #: The only mode the store creates, and the only one it accepts on a name it opens.
 MODE = 0o600
+_T = TypeVar("_T")
 _REFUSED = (errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENXIO)
 
 
@@ -83,16 +85,34 @@ def _reservation_error(what: str, key: str, size: int, e: OSError) -> StoreError
 def _translated(what: str, key: str) -> Iterator[None]:
     try:
         yield
-    except InvalidKeyError:
-        raise
-    except posix_ipc.ExistentialError as e:
-        raise StoreError(f"cannot {what} {key!r}: {e}") from None
-    except posix_ipc.PermissionsError as e:
-        raise ForeignName(f"cannot {what} {key!r}: {e}") from None
-    except ValueError as e:  # posix_ipc's EINVAL: the name is something shm_open cannot open
-        raise ForeignName(f"cannot {what} {key!r}: the name is not a shared memory object ({e})") from None
     except OSError as e:
         raise _store_error(what, key, e) from None
+
+
+#: How every name of the store is opened: as ``shm_open`` opens it, never through a symlink.
+_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _create(path: str) -> int:
+    """Make ``path`` (mode 0600), which must not exist (:class:`FileExistsError`); its descriptor."""
+    return os.open(path, _OPEN | os.O_CREAT | os.O_EXCL, MODE)
+
+
+def _open_existing(path: str) -> int | None:
+    """Open ``path``; None if nothing has that name."""
+    try:
+        return os.open(path, _OPEN)
+    except FileNotFoundError:
+        return None
+
+
+def _unlink(path: str) -> bool:
+    """Remove the name ``path``; False if nothing had it."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _check_ours(fd: int, key: str, kind: str) -> None:
@@ -165,11 +185,13 @@ class _PosixSegment:
             self._fd = spare
             self.size = size
             return
-        try:
+
+        def allocate() -> None:
             os.posix_fallocate(self._fd, 0, size)
+
+        try:
+            self._store.with_room(allocate) if self._store is not None else allocate()
         except OSError as e:
-            if e.errno == errno.ENOSPC and self._store is not None and self._store._drop_spares():
-                return self.reserve(size)  # the spares gave way: once more, without them
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 raise StoreFull(self._key, size) from e
             raise StoreError(f"cannot reserve {size} bytes for segment {self._key!r}: {e.strerror}") from e
@@ -289,6 +311,7 @@ class PosixStore:
     A store made without a namespace makes a fresh one and records this process as its owner;
     a store made with one attaches to an existing namespace (another process of the same run),
     unless ``claim`` says it is this process's to own (a stage process given its namespace).
+    ``directory``: the tmpfs folder that plays /dev/shm (a small private one fills up for real).
     """
 
     def __init__(
@@ -298,19 +321,21 @@ class PosixStore:
         claim: bool | None = None,
         owner: Owner | None = None,
         spare_min_bytes: int = SPARE_MIN_BYTES,
+        directory: str = SHM_DIR,
     ) -> None:
         claim = namespace is None if claim is None else claim
         namespace = namespace or new_namespace()
         if not NAMESPACE_PATTERN.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r} must be 1-24 characters of [a-z0-9]")
         self.namespace = namespace
+        self.directory = directory
         self._stem = f"omnisim-{namespace}-"
         self._seg_prefix = f"{self._stem}seg-"
         self._lock_prefix = f"{self._stem}lock-"
         self._ring_prefix = f"{self._stem}ring-"
         self._spare_prefix = f"{self._stem}spare-"
         self.spare_min_bytes = spare_min_bytes
-        self.owner_path = os.path.join(SHM_DIR, f"{self._stem}{OWNER_SUFFIX}")
+        self.owner_path = self._path(OWNER_SUFFIX)
         self.handles = OpenHandles()
         if claim:
             try:
@@ -318,24 +343,38 @@ class PosixStore:
             except OSError as e:
                 raise _store_error("record the owner of namespace", namespace, e) from None
 
+    def _path(self, name: str) -> str:
+        """The path of ``omnisim-{namespace}-{name}``."""
+        return os.path.join(self.directory, self._stem + name)
+
     def segment_path(self, key: str) -> str:
-        return os.path.join(SHM_DIR, self._seg_prefix + validate_key(key))
+        return self._path("seg-" + validate_key(key))
 
     def lock_path(self, key: str) -> str:
-        return os.path.join(SHM_DIR, self._lock_prefix + validate_key(key))
+        return self._path("lock-" + validate_key(key))
 
-    def _shm_name(self, key: str) -> str:
-        return "/" + self._seg_prefix + validate_key(key)
+    def _ring_path(self, edge: str) -> str:
+        return self._path("ring-" + validate_key(edge))
+
+    def with_room(self, make: Callable[[], _T]) -> _T:
+        """``make()``; if it ran out of room (ENOSPC: space or inodes) and the spares give way
+        (a cache never costs room), ``make()`` once more without them."""
+        try:
+            return make()
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not self._drop_spares():
+                raise
+        return make()
 
     def create_segment(self, key: str) -> _PosixSegment:
-        name = self._shm_name(key)
+        path = self.segment_path(key)
         with _translated("create segment", key):
             try:
-                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-            except posix_ipc.ExistentialError:
+                fd = self.with_room(lambda: _create(path))
+            except FileExistsError:
                 self._unlink_own_segment(key)  # put replaces unread data of ours under the same key
-                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-        return _PosixSegment(key, shm.fd, 0, self.handles.opened(f"segment {key}"), self)
+                fd = self.with_room(lambda: _create(path))
+        return _PosixSegment(key, fd, 0, self.handles.opened(f"segment {key}"), self)
 
     def _take_spare(self, key: str, created: int, size: int) -> int | None:
         """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
@@ -372,6 +411,8 @@ class PosixStore:
             os.rename(self._spare_path(name), self.segment_path(key))
         except BaseException as e:
             os.close(fd)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
+                return None  # too small to grow here: the put makes room as for a fresh segment
             if isinstance(e, OSError):
                 raise _reservation_error("reuse a spare for segment", key, size, e) from None
             raise
@@ -386,7 +427,7 @@ class PosixStore:
         return dropped
 
     def _spare_path(self, name: str) -> str:
-        return os.path.join(SHM_DIR, self._spare_prefix + name)
+        return self._path("spare-" + name)
 
     def _unlink_own_segment(self, key: str) -> None:
         if _is_ours(self.segment_path(key), f"segment {key!r}"):
@@ -394,11 +435,9 @@ class PosixStore:
 
     def open_segment(self, key: str) -> _PosixSegment | None:
         with _translated("open segment", key):
-            try:
-                shm = posix_ipc.SharedMemory(self._shm_name(key))
-            except posix_ipc.ExistentialError:
-                return None
-        fd = shm.fd
+            fd = _open_existing(self.segment_path(key))
+        if fd is None:
+            return None
         try:
             _check_ours(fd, key, "segment")
             size = os.fstat(fd).st_size
@@ -409,11 +448,7 @@ class PosixStore:
 
     def unlink_segment(self, key: str) -> bool:
         with _translated("remove segment", key):
-            try:
-                posix_ipc.unlink_shared_memory(self._shm_name(key))
-            except posix_ipc.ExistentialError:
-                return False
-        return True
+            return _unlink(self.segment_path(key))
 
     def segment_exists(self, key: str) -> bool:
         return os.path.lexists(self.segment_path(key))
@@ -431,8 +466,14 @@ class PosixStore:
         if _ours(st) and st.st_size >= self.spare_min_bytes and len(self.spares()) < SPARES_KEPT:
             # A link never replaces an existing spare (its producer may be taking it); a death
             # before the unlink below leaves two names on one file, which no put takes as a spare.
-            with _translated("keep as a spare", key), contextlib.suppress(FileExistsError, FileNotFoundError):
+            try:
                 os.link(path, self._spare_path(key), follow_symlinks=False)
+            except (FileExistsError, FileNotFoundError):
+                pass
+            except OSError as e:
+                # A tmpfs counts a link as an inode: with none left, the segment goes, unkept.
+                if e.errno != errno.ENOSPC:
+                    raise _store_error("keep as a spare", key, e) from None
         return self.unlink_segment(key)
 
     def spares(self) -> list[str]:
@@ -454,7 +495,7 @@ class PosixStore:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         path = self.lock_path(key)
         try:
-            fd = os.open(path, flags, MODE)
+            fd = self.with_room(lambda: os.open(path, flags, MODE))
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -476,19 +517,19 @@ class PosixStore:
         return True
 
     def create_ring(self, edge: str, capacity: int) -> _PosixRing:
-        name = "/" + self._ring_prefix + validate_key(edge)
+        path = self._ring_path(edge)
         with _translated("create ring", edge):
             try:
-                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
-            except posix_ipc.ExistentialError:
-                if _is_ours(os.path.join(SHM_DIR, self._ring_prefix + edge), f"ring {edge!r}"):
+                fd = _create(path)
+            except FileExistsError:
+                if _is_ours(path, f"ring {edge!r}"):
                     self.unlink_ring(edge)
-                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
+                fd = _create(path)
         try:
-            os.posix_fallocate(shm.fd, 0, capacity)
-            return _PosixRing(shm.fd, capacity, lambda: self.handles.opened(f"ring {edge}"))
+            self.with_room(lambda: os.posix_fallocate(fd, 0, capacity))
+            return _PosixRing(fd, capacity, lambda: self.handles.opened(f"ring {edge}"))
         except BaseException as e:
-            os.close(shm.fd)
+            os.close(fd)
             self.unlink_ring(edge)
             if isinstance(e, OSError):
                 raise _reservation_error("reserve ring", edge, capacity, e) from None
@@ -496,36 +537,31 @@ class PosixStore:
 
     def open_ring(self, edge: str) -> _PosixRing | None:
         with _translated("open ring", edge):
-            try:
-                shm = posix_ipc.SharedMemory("/" + self._ring_prefix + validate_key(edge))
-            except posix_ipc.ExistentialError:
-                return None
+            fd = _open_existing(self._ring_path(edge))
+        if fd is None:
+            return None
         try:
-            _check_ours(shm.fd, edge, "ring")
-            size = os.fstat(shm.fd).st_size
+            _check_ours(fd, edge, "ring")
+            size = os.fstat(fd).st_size
             if size == 0:
                 raise ForeignName(f"ring {edge!r} has no bytes yet: its maker is still reserving them")
-            return _PosixRing(shm.fd, size, lambda: self.handles.opened(f"ring {edge}"))
+            return _PosixRing(fd, size, lambda: self.handles.opened(f"ring {edge}"))
         except OSError as e:
-            os.close(shm.fd)
+            os.close(fd)
             raise _store_error("map ring", edge, e) from None
         except BaseException:
-            os.close(shm.fd)
+            os.close(fd)
             raise
 
     def unlink_ring(self, edge: str) -> bool:
         with _translated("remove ring", edge):
-            try:
-                posix_ipc.unlink_shared_memory("/" + self._ring_prefix + validate_key(edge))
-            except posix_ipc.ExistentialError:
-                return False
-        return True
+            return _unlink(self._ring_path(edge))
 
     def rings(self) -> list[str]:
         return self._listed(self._ring_prefix)
 
     def _listed(self, prefix: str) -> list[str]:
-        return sorted(n[len(prefix) :] for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+        return sorted(n[len(prefix) :] for n in os.listdir(self.directory) if n.startswith(prefix))
 
     def segments(self) -> list[str]:
         return self._listed(self._seg_prefix)
@@ -534,7 +570,7 @@ class PosixStore:
         return self._listed(self._lock_prefix)
 
     def owner(self) -> Owner | None:
-        return ShmDirectory().read_owner(self.namespace)
+        return ShmDirectory(path=self.directory).read_owner(self.namespace)
 
     def open_handles(self) -> list[str]:
         return self.handles.names()
@@ -544,7 +580,7 @@ class PosixStore:
         owner record last); names that are not ours are left alone. It looks twice: a consumer
         may hand back a segment it was reading as a spare after the first look (see
         :func:`runtime.connectors.namespaces.sweep`)."""
-        directory = ShmDirectory()
+        directory = ShmDirectory(path=self.directory)
         removed = []
         for _ in range(2):
             mine = [e for e in directory.entries() if e.namespace == self.namespace and e.ours]

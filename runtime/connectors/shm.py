@@ -684,6 +684,8 @@ class ShmConnector:
         return {
             "pending_keys": list(self._pending_keys),
             "held_locks": list(self._held_locks),
+            "ring_keys": list(self._ring_keys),
+            "putting": sorted(self._putting),
         }
 
     async def close(self) -> None:

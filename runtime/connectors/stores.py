@@ -328,7 +328,8 @@ class _MemRing:
 
 
 class MemoryStore:
-    """Segments and lock files in dictionaries; ``capacity`` bytes in all (None: unbounded).
+    """Segments and lock files in dictionaries; ``capacity`` bytes in all and ``max_names``
+    names (a tmpfs's size and inode count; None: unbounded).
 
     A lock held through a lock file whose name was removed stays with that open file, as with
     ``flock`` on an unlinked inode; a new lock file of the same name is a new lock.
@@ -341,9 +342,11 @@ class MemoryStore:
         owner: Owner | None = None,
         *,
         spare_min_bytes: int = SPARE_MIN_BYTES,
+        max_names: int | None = None,
     ) -> None:
         self.namespace = namespace
         self.capacity = capacity
+        self.max_names = max_names
         self.spare_min_bytes = spare_min_bytes
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
@@ -357,7 +360,22 @@ class MemoryStore:
         held = itertools.chain(self._segments.values(), self._spares.values(), (r.data for r in self._rings.values()))
         return sum(len(b) for b in held)
 
+    def _name_made(self, key: str) -> None:
+        """Room for one more name, once the spares gave way if they must; else :class:`StoreFull`
+        (no inodes left)."""
+        if self.max_names is None:
+            return
+        if self._names() >= self.max_names:
+            self._drop_spares()
+        if self._names() >= self.max_names:
+            raise StoreFull(key, 0, inodes=True)
+
+    def _names(self) -> int:
+        return len(self._segments) + len(self._spares) + len(self._locks) + len(self._rings)
+
     def create_segment(self, key: str) -> _MemSegment:
+        if key not in self._segments:
+            self._name_made(key)
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
         return _MemSegment(self, key, data, self.handles.opened(f"segment {key}"))
 
@@ -394,7 +412,7 @@ class MemoryStore:
             return None
         old = self._spares[name]
         if self.capacity is not None and self.used() + size - len(old) > self.capacity:
-            raise StoreFull(key, size)
+            return None  # too small to grow here: the put makes room as for a fresh segment
         data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
         at, zeros = uncommitted_tail(size)
         data[at : at + len(zeros)] = zeros
@@ -407,8 +425,14 @@ class MemoryStore:
         /dev/shm makes them)."""
         if self.capacity is None or self.used() + size <= self.capacity:
             return True
-        self._spares.clear()
+        self._drop_spares()
         return self.used() + size <= self.capacity
+
+    def _drop_spares(self) -> int:
+        """Remove every spare (the store is full: a cache gives way); how many."""
+        dropped = len(self._spares)
+        self._spares.clear()
+        return dropped
 
     def spares(self) -> list[str]:
         return sorted(self._spares)
@@ -421,6 +445,7 @@ class MemoryStore:
         if inode is None:
             if not create:
                 return None
+            self._name_made(key)
             inode = self._locks[key] = _LockInode()
         return _MemLock(self, key, inode, self.handles.opened(f"lock {key}"))
 
@@ -429,6 +454,7 @@ class MemoryStore:
 
     def create_ring(self, edge: str, capacity: int) -> _MemRing:
         self._rings.pop(edge, None)
+        self._name_made(edge)
         if self.capacity is not None and self.used() + capacity > self.capacity:
             raise StoreFull(edge, capacity)
         inode = self._rings[edge] = _RingInode(capacity)
