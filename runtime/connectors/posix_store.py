@@ -447,8 +447,11 @@ class PosixStore:
         return _PosixSegment(key, fd, size, self.handles.opened(f"segment {key}"))
 
     def unlink_segment(self, key: str) -> bool:
+        path = self.segment_path(key)
         with _translated("remove segment", key):
-            return _unlink(self.segment_path(key))
+            # (a name that is not ours is refused: a cleanup of a key whose chunk went on the
+            # ring looks here too, and must not take a stranger's file for the key's segment)
+            return _is_ours(path, f"segment {key!r}") and _unlink(path)
 
     def segment_exists(self, key: str) -> bool:
         return os.path.lexists(self.segment_path(key))
