@@ -87,7 +87,7 @@ def test_fired_faults_fire_at_the_same_hits() -> None:
 
 def test_a_sampled_find_shrinks_to_the_one_fault_it_needs(tmp_path: Path) -> None:
     entry = _find(tmp_path, "random", **NEEDS_A_FAULT)
-    assert (entry["shrunk"]["faults_before"], entry["shrunk"]["faults"]) == (3, 1)
+    assert entry["shrunk"]["faults_before"] > entry["shrunk"]["faults"] == 1
     artifact = json.loads(Path(entry["artifact"]).read_text())
     [fault] = artifact["fault_plan"]
     assert fault["added"] and fault["at"] == "shm.put.locked"
