@@ -97,10 +97,7 @@ def bounded_wait(world: ObservedWorld) -> list[str]:
     "goes through unchanged (checked by the hostile-input scenarios)",
 )
 def bad_input_refused(world: ObservedWorld) -> list[str]:
-    return [
-        f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
-        for e in world.missed_expectations("input.case")
-    ]
+    return world.missed_cases("input.case", "{what}: got {got}, must give {want}")
 
 
 @invariant(
@@ -110,10 +107,7 @@ def bad_input_refused(world: ObservedWorld) -> list[str]:
     "removed; a FIFO of ours with no reader (a dead receiver's) is removed (checked by the hostile-/dev/shm scenario)",
 )
 def foreign_names_untouched(world: ObservedWorld) -> list[str]:
-    return [
-        f"{e.attrs['what']}: it was {e.attrs['got']}, it must be {e.attrs['want']}"
-        for e in world.missed_expectations("shm.planted")
-    ]
+    return world.missed_cases("shm.planted", "{what}: it was {got}, it must be {want}")
 
 
 #: What may make a put or a get fail: something the world did to the data plane.
@@ -187,6 +181,11 @@ def _ring_frames(view: memoryview) -> Iterator[tuple[int, int, str, int]]:
         pos += span
 
 
+def ring_unread_keys(view: memoryview) -> set[str]:
+    """The keys whose chunks the ring whose bytes are ``view`` holds unread or being written."""
+    return {key for _, state, key, _ in _ring_frames(view) if state in (1, 2)}
+
+
 def ring_frames_held(view: memoryview) -> list[str]:
     """``KEY (why)`` for every frame between the tail and the head of the ring whose bytes are
     ``view`` that holds its space (see :data:`_RING_HELD`)."""
@@ -250,7 +249,48 @@ def ring_before_segments(world: ObservedWorld) -> list[str]:
     "and consumed chunks give way first, and what fit comes back whole (checked by the full-store scenario)",
 )
 def full_store_clean(world: ObservedWorld) -> list[str]:
+    return world.missed_cases("room.case", "{what}: got {got}, must give {want}")
+
+
+@invariant(
+    "answers-true",
+    "what a connector answers is what it did: a put's result (its bytes and the key its metadata names, or no "
+    "bytes and the cause), a cleanup's whether it removed an unread chunk (a segment of ours, or a frame on one of "
+    "its rings being written or unread), cleanup_prefix's count of those, a wait's whether its wakeup generation moved",
+)
+def answers_true(world: ObservedWorld) -> list[str]:
+    return world.missed_cases("connector.answer", "{what}: answered {got}, did {want}")
+
+
+@invariant(
+    "sweep-reports-true",
+    "a sweep's report says what it did: what it removed (or would, in a dry run, which removes nothing), the "
+    "namespaces it kept because their owner lives or cannot be judged or their names are too young, the names it "
+    "skipped as not ours, the names it could not remove (checked by the sweep-report scenario)",
+)
+def sweep_reports_true(world: ObservedWorld) -> list[str]:
+    return world.missed_cases("sweep.case", "{what}: {got}, where it must be {want}")
+
+
+@invariant(
+    "ring-writes-locked",
+    "a ring's head and tail move only while its lock is held: whenever the lock is taken (and at quiescence) they are "
+    "as its last holder left them (checked on every ring of a store in memory)",
+)
+def ring_writes_locked(world: ObservedWorld) -> list[str]:
     return [
-        f"{e.attrs['what']}: got {e.attrs['got']}, must give {e.attrs['want']}"
-        for e in world.missed_expectations("room.case")
+        f"the {e.attrs['edge']} ring's head and tail were {e.attrs['found']} when its lock was {e.attrs['when']}, "
+        f"though its last holder left them at {e.attrs['left']}"
+        for e in world.trace
+        if e.name == "ring.unlocked_write"
     ]
+
+
+@invariant(
+    "store-model-faithful",
+    "the store in memory that simulated runs stand on does what the real store does on a tmpfs of the same room, "
+    "call by call: the same result or error, the same names, handles open and room left (checked by the "
+    "store-model scenario)",
+)
+def store_model_faithful(world: ObservedWorld) -> list[str]:
+    return world.missed_cases("model.case", "{what}: in memory {got}; on a tmpfs {want}")

@@ -110,10 +110,7 @@ def samples_exactly_once(world: ObservedWorld) -> list[str]:
 def config_contract(world: ObservedWorld) -> list[str]:
     # The evidence is the configuration, not a schedule: what resolving, validating and planning
     # a config gave, next to what spec §1 says it must give (``config.fact``).
-    return [
-        f"{e.attrs['fact']}: got {e.attrs['got']}, spec §1 says {e.attrs['want']}"
-        for e in world.missed_expectations("config.fact")
-    ]
+    return world.missed_cases("config.fact", "{fact}: got {got}, spec §1 says {want}")
 
 
 @invariant(
@@ -122,7 +119,7 @@ def config_contract(world: ObservedWorld) -> list[str]:
     "chunks it took (checked where a scenario consumes at the edge)",
 )
 def merged_as_spec(world: ObservedWorld) -> list[str]:
-    return [f"{e.attrs['req']} after a commit: {e.attrs['got']}" for e in world.missed_expectations("merge.case")]
+    return world.missed_cases("merge.case", "{req} after a commit: {got}")
 
 
 @invariant(
@@ -132,17 +129,11 @@ def merged_as_spec(world: ObservedWorld) -> list[str]:
     "ids; each chunk carries the finish flags step 5 gives it (checked where a scenario probes them)",
 )
 def sender_contract(world: ObservedWorld) -> list[str]:
-    answers = [
-        f"save_async for {e.attrs['req']} answered {e.attrs['got']}; spec §3.3 says {e.attrs['want']}"
-        for e in world.missed_expectations("sender.answer")
+    return [
+        *world.missed_cases("sender.answer", "save_async for {req} answered {got}; spec §3.3 says {want}"),
+        *world.missed_cases("processor.view", "the processor of {req} was handed {got}; queued was {want}"),
+        *world.missed_cases("processor.flags", "{req}: {got}"),
     ]
-    views = [
-        f"the processor of {e.attrs['req']} was handed {e.attrs['got']}; queued was {e.attrs['want']}"
-        for e in world.missed_expectations("processor.view")
-    ]
-    return (
-        answers + views + [f"{e.attrs['req']}: {e.attrs['got']}" for e in world.missed_expectations("processor.flags")]
-    )
 
 
 #: How far (ms) the last word may end from the end of the audio.

@@ -176,3 +176,8 @@ class ObservedWorld:
         """The ``event`` notes whose ``got`` is not their ``want``: a scenario that states a
         contract case by case (a config resolved, a bad input refused) notes each case so."""
         return [e for e in self.trace if e.name == event and e.attrs["got"] != e.attrs["want"]]
+
+    def missed_cases(self, event: str, say: str) -> list[str]:
+        """The :meth:`missed_expectations` of ``event``, each as ``say`` says it (a format string
+        over the note's attributes: ``"{what}: got {got}, must give {want}"``)."""
+        return [say.format(**e.attrs) for e in self.missed_expectations(event)]

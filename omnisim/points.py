@@ -106,6 +106,13 @@ POINTS: dict[str, tuple[str, str]] = {
     "processor.flags": ("note", "the finish flags a chunk carried, next to spec §3.4 step 5's [req, chunk, got, want]"),
     "config.fact": ("note", "what resolving or validating a config gave, and what spec §1 says [fact, got, want]"),
     "input.case": ("note", "what a bad or boundary input gave, and what it must give [what, got, want]"),
+    "connector.answer": ("note", "what a connector answered, next to what it did [what, got, want]"),
+    "sweep.case": ("note", "what a sweep's report or the folder after it said, and what it must [what, got, want]"),
+    "ring.unlocked_write": (
+        "note",
+        "a ring's head or tail moved with its lock free (seen when it was next taken) [edge, when, left, found]",
+    ),
+    "model.case": ("note", "what a call gave on the store in memory, and what on the real one [what, got, want]"),
     "room.case": ("note", "what a put or get on a store of bounded room gave, and what it must give [what, got, want]"),
     "shm.planted": ("note", "what became of a name a scenario planted in /dev/shm, and what must [what, got, want]"),
     "serving.timestamps_over_http": ("note", "an HTTP streaming request with word timestamps was judged [accepted]"),

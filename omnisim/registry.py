@@ -49,6 +49,8 @@ DEFAULT_INVARIANTS = (
     "merged-as-spec",
     "sender-contract",
     "ring-before-segments",
+    "answers-true",
+    "ring-writes-locked",
 )
 
 

@@ -567,7 +567,7 @@ class SimKernel:
         me = self._me()
         me.pending = (name, attrs)
         await self._yield(me)
-        self._emit(me, name, attrs)
+        self._emit_watched(me, name, attrs)
         if self.faults is not None:
             fault = self.faults.fire(name, attrs)
             if fault is not None:
@@ -584,16 +584,19 @@ class SimKernel:
     def note(self, name: str, /, **attrs: Attr) -> None:
         running = _running.get(None)
         if running is None or running.state != KILLED:
-            me = self._me()
-            self._emit(me, name, attrs)
-            watcher = self._watchers.get(name)
-            if watcher is not None:
-                watcher(me, attrs)
+            self._emit_watched(self._me(), name, attrs)
+
+    def _emit_watched(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
+        self._emit(task, name, attrs)
+        watcher = self._watchers.get(name)
+        if watcher is not None:
+            watcher(task, attrs)
 
     def watch(self, name: str, watcher: Callable[[SimTask, dict[str, Attr]], None]) -> None:
         """Call ``watcher`` with the task and attributes of every ``name`` note, right when it is
-        made: the harness looks at shared state at the moment the runtime reports a decision
-        about it (nothing can run in between, on the kernel's one thread)."""
+        made, and of every ``name`` point, right when the task goes on from it: the harness looks
+        at shared state at the moment the runtime reports a decision about it, or is about to
+        make one (nothing can run in between, on the kernel's one thread)."""
         self._watchers[name] = watcher
 
     def now(self) -> float:

@@ -14,26 +14,29 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
 import stat
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim import devshm, tmpfs
+from omnisim.answers import Answers
 from omnisim.base import STORES, UsageError
 from omnisim.faults import Fault, FaultPlan
 from omnisim.payloads import watch_payloads
 from omnisim.processes import FORGERIES, ProcessStore, SimProcesses, corrupt_segment, forge_segment
+from omnisim.ring_locks import RingLocks
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
 from runtime.connectors.base import PutResult
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.shm import ShmConnector
-from runtime.connectors.stores import MemoryStore, Store
+from runtime.connectors.stores import MemoryStore, Store, StoreError
 from runtime.connectors.wakeup import FifoWakeups, LocalWakeups, Wakeups
 from runtime.kernel import Attr, current_kernel
 from runtime.stages import StageTransport
@@ -51,8 +54,9 @@ QUIESCE_S = 0.25
 
 @dataclass(frozen=True)
 class Room:
-    """How much a store holds, as a tmpfs's size and inode count do: ``bytes`` and ``names``;
-    and from what size on it keeps a consumed segment as a spare (see ``make_store``)."""
+    """How much a store holds, as a tmpfs's size and inode count do: ``bytes`` (in whole pages,
+    the owner record's page included) and ``names`` (besides the owner record's); and from what
+    size on it keeps a consumed segment as a spare (see ``make_store``)."""
 
     bytes: int
     names: int
@@ -71,10 +75,12 @@ def make_store(
     POSIX store records the real process, so a real ``omnisim sweep`` leaves a live run alone).
     ``spare_min_bytes``: 0 in a simulated world, where every consumed segment is kept as a spare
     (as a large one is in production), so every scenario runs the spares' hand-back and reuse.
-    ``room``: what a store in memory holds (a POSIX one holds what its ``directory`` does)."""
+    ``room``: what a store in memory holds, counted in pages as a tmpfs counts it (a POSIX one
+    holds what its ``directory`` does)."""
     if kind == "memory":
         name = f"n{owner.pid}" if owner is not None else "mem"
-        bounds = {"capacity": room.bytes, "max_names": room.names} if room is not None else {}
+        # (+1: the owner record, which ``room.names`` leaves out, as the tmpfs's inode count does)
+        bounds = {"capacity": room.bytes, "max_names": room.names + 1, "page": mmap.PAGESIZE} if room else {}
         return MemoryStore(name, owner=owner, spare_min_bytes=spare_min_bytes, **bounds)
     if kind in ("posix", "ring"):
         namespace = posix_store.new_namespace()
@@ -111,8 +117,12 @@ class World:
         self.room = room
         #: The folder that plays /dev/shm for the run's POSIX stores.
         self.shm_dir = namespaces.SHM_DIR
+        #: Every ring's head and tail, checked against its lock (see make_store).
+        self.ring_locks = RingLocks()
+        #: A world in memory's private /dev/shm, once a scenario asks for one (private_shm_dir).
+        self._private_dir: str | None = None
         if room is not None and store_kind != "memory":
-            # (+2: its root folder, and the owner record, which a store in memory does not count)
+            # (+2: its root folder, and the owner record)
             self.shm_dir = devshm.mounted(tmpfs.mount(room.bytes, room.names + 2))
         self.store = self.make_store(self.owners[MAIN_PROCESS])
         #: Every namespace of the run, by a name of the world's own ("ns0", "ns1", … in the order
@@ -137,6 +147,8 @@ class World:
         self._counted: dict[int, dict[str, int]] = {}
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
         self._offered: dict[str, set[Hashable]] = {}
+        #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
+        self.answers = Answers(self._raw, self._planted_at, ring_views)
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
@@ -206,15 +218,17 @@ class World:
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
         self._counted[stage_id] = count_transfers(connector)
-        self.watch_payloads(connector)
+        self.watch_connector(connector)
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
         return stage
 
-    def watch_payloads(self, connector: ShmConnector) -> None:
+    def watch_connector(self, connector: ShmConnector) -> None:
         """Check every payload ``connector`` hands out against what the world's puts were asked
-        to send (``no-corrupt-accept``); a stage's connector is watched from the start."""
+        to send (``no-corrupt-accept``), and every answer it gives (``answers-true``); a stage's
+        connector is watched from the start."""
         watch_payloads(connector, self._offered, lambda message: self.probe("no-corrupt-accept", False, message))
+        self.answers.watch(connector)
 
     def wakeups_of(self, process: str) -> Wakeups:
         """The arrival wakeups of a stage in ``process``: the world's one bus, as the stages of one
@@ -242,6 +256,16 @@ class World:
     def _wake_folder(self) -> str:
         assert isinstance(self.store, PosixStore)
         return os.path.join(self.shm_dir, f"omnisim-{self.store.namespace}-wake")
+
+    def private_shm_dir(self) -> str:
+        """A folder that plays /dev/shm for this run alone, of the world's room: the world's own
+        tmpfs on a POSIX store, else one mounted for the run (see :mod:`omnisim.tmpfs`)."""
+        assert self.room is not None, "only a world with a room has a private /dev/shm"
+        if self.shm_dir != namespaces.SHM_DIR:
+            return self.shm_dir
+        if self._private_dir is None:
+            self._private_dir = devshm.mounted(tmpfs.mount(self.room.bytes, self.room.names + 2))
+        return self._private_dir
 
     def _planted_at(self, store: Store, name: str) -> bool:
         """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace."""
@@ -357,11 +381,14 @@ class World:
         return store
 
     def make_store(self, owner: Owner | None = None) -> Store:
-        """A fresh namespace of the world's kind, owned by ``owner``, in the world's room."""
+        """A fresh namespace of the world's kind, owned by ``owner``, in the world's room, its
+        rings' locks watched (see :mod:`omnisim.ring_locks`)."""
         spare_min_bytes = self.room.spare_min_bytes if self.room is not None else 0
-        return make_store(
+        store = make_store(
             self.store_kind, owner, spare_min_bytes=spare_min_bytes, room=self.room, directory=self.shm_dir
         )
+        self.ring_locks.watch(store)
+        return store
 
     def alive(self, process: str) -> bool:
         return self.processes.alive(self.owners[process])
@@ -510,23 +537,14 @@ class World:
         """``EDGE:KEY (why)`` for every frame on the store's rings that holds its space (see
         :func:`invariants.dataplane.ring_frames_held`), read from the shared bytes with the
         harness's own code, as another process sees them."""
-        out = []
-        for edge in store.rings():
-            if self._planted_at(store, f"ring-{edge}"):
-                continue
-            memory = store.open_ring(edge)
-            if memory is not None:
-                try:
-                    out.extend(f"{edge}:{frame}" for frame in ring_frames_held(memory.view))
-                finally:
-                    memory.close()
-        return out
+        return [f"{edge}:{frame}" for edge, view in ring_views(store) for frame in ring_frames_held(view)]
 
     async def run(self, body: Callable[[World], Awaitable[None]]) -> None:
         """Start every service, run the workload, let the world go idle, snapshot, shut down."""
         k = current_kernel()
         assert isinstance(k, SimKernel)
         k.fault_action = self.apply_fault
+        k.watch("shm.cleanup.begin", self.answers.at_cleanup_begin)
         if self.store_kind == "ring":
             k.watch("ring.full", self._check_ring_full)
             k.watch("ring.room_wait_timed_out", self._check_room_wait)
@@ -538,6 +556,7 @@ class World:
             await k.sleep(QUIESCE_S)
             if self.settle is not None:
                 await self.settle()
+            self.ring_locks.check_idle([store for store, _ in self.namespaces.values()])
             self.snapshot("quiescence")
             self._check_wakeups_available()
             self._check_owner_records()
@@ -630,6 +649,20 @@ class World:
             finally:
                 memory.close()
         return out
+
+
+def ring_views(store: Store) -> Iterator[tuple[str, memoryview]]:
+    """Each ring of ours on ``store``, by edge, with its bytes, mapped while the caller looks."""
+    for edge in store.rings():
+        try:
+            memory = store.open_ring(edge)
+        except StoreError:
+            continue  # a name a scenario planted there, which is no ring of ours
+        if memory is not None:
+            try:
+                yield edge, memory.view
+            finally:
+                memory.close()
 
 
 def count_transfers(connector: ShmConnector) -> dict[str, int]:

@@ -27,6 +27,8 @@ from scenarios import (  # noqa: F401
     ring,
     segments,
     stage_crash,
+    store_model,
+    sweep_report,
 )
 
 #: The seed's race table (#8082 a–i) and #6670 (a, b), by the names the issues use.

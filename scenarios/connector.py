@@ -5,7 +5,8 @@ of the same key in flight. The connector promises more to anyone who drives it d
 cleanup that meets a write in flight wins (the segment it unlinked, or the ring frame it
 cancelled, never reads as a chunk), and whatever the order, once the key is cleaned up after both
 nothing of it is left: no segment, no lock file, no ring frame holding space for good. A reader
-polls the key all along and takes the chunk whole or not at all.
+polls the key all along and takes the chunk whole or not at all. And a connector's close removes
+every key it tracks, unread ones included, wherever they went.
 """
 
 from __future__ import annotations
@@ -93,8 +94,35 @@ async def producer_replaced(world: World) -> None:
     new = ShmConnector(
         old.store, stage_id=TALKER, wakeups=world.wakeups_of(world.stages[TALKER].process), **world.transport()
     )
-    world.watch_payloads(new)
+    world.watch_connector(new)
     try:
         await put_and_take(new, "P_2_0")
     finally:
         await new.close()
+
+
+#: The chunks ``closed_with_unread`` leaves unread, by key: codec frames small enough for a ring
+#: (where the store has one) and too large for it.
+UNREAD = {"U_1_0": 4, "U_1_1": 64, "U_1_2": 4}
+
+
+@edge_scenario(
+    "closed_with_unread",
+    summary="the Talker's connector closes with chunks nobody took yet, on the ring and in segments: its close removes "
+    "every one (no segment, no lock file, no ring frame is left), a second close does nothing more, and a reader "
+    "that looks for them afterwards finds none",
+    issue="spec §2.7 (close removes every tracked key, unread ones included)",
+    invariants=DATA_PLANE,
+)
+async def closed_with_unread(world: World) -> None:
+    talker, code2wav = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
+    edge = (str(TALKER), str(CODE2WAV))
+    for key, frames in UNREAD.items():
+        with contextlib.suppress(InjectedCrash):
+            await talker.put(*edge, key, {"codes": {"audio": codec_frames(frames)}})
+    await talker.close()
+    await talker.close()
+    for key in UNREAD:
+        with contextlib.suppress(CorruptChunk):  # (an injected decode failure: nothing handed out)
+            taken = await code2wav.get(*edge, key)
+            world.probe("no-orphan-shm", taken is None, f"a get of {key} after its producer's close took it")

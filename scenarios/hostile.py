@@ -5,7 +5,9 @@ request, so both are held to a safe alphabet and a length; a payload must be som
 format can carry. Bad input gets a clear error and loses nothing: it is refused before anything
 is made (``no-orphan-shm`` and ``no-orphan-lock`` see that at the end), and the valid input on
 the boundary — the longest key, every allowed character, every dtype, empty and zero-dimensional
-tensors, strided views, tuple dict keys, the extreme integers — goes through unchanged.
+tensors, strided views, tuple dict keys, the extreme integers — goes through unchanged. A
+connector's ring settings are input too: a ring too small, not in whole 64-byte lines, or with
+frames of no size or of more than half of it is refused with an error that names the rule.
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
 which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
@@ -28,6 +30,7 @@ from omnisim.world import World
 from runtime.connectors import keys
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
+from runtime.connectors.ring import ALIGN, RingSettings
 from runtime.kernel import current_kernel
 from runtime.serving import MAX_INPUT_CHARS
 from scenarios.edge import CODE2WAV, TALKER, edge_scenario
@@ -52,6 +55,17 @@ BAD_PAYLOADS: dict[str, object] = {
     "an integer past 64 bits": {"x": 2**64},
     "a tensor of a dtype the wire does not carry": {"x": torch.zeros(2, dtype=torch.uint16)},
     "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
+}
+
+#: Ring settings a connector is made with, next to what they must give: a ring must hold at least
+#: four 64-byte lines, in whole lines, and a frame at most half of it; the refusal names the rule.
+RING_SETTINGS_CASES: dict[str, tuple[dict[str, float], str]] = {
+    "the least capacity": ({"capacity": 4 * ALIGN}, "ok"),
+    "a line less than the least capacity": ({"capacity": 3 * ALIGN}, f"ValueError: at least {4 * ALIGN} bytes"),
+    "a capacity not in whole lines": ({"capacity": 4 * ALIGN + 1}, f"ValueError: a multiple of {ALIGN}"),
+    "frames of at most half the ring": ({"max_frame_fraction": 0.5}, "ok"),
+    "frames of more than half the ring": ({"max_frame_fraction": 0.51}, "ValueError: (0, 0.5]"),
+    "frames of no size": ({"max_frame_fraction": 0.0}, "ValueError: (0, 0.5]"),
 }
 
 #: How a get names the key ``K`` that was put: by its own key next to metadata (what the put
@@ -113,6 +127,16 @@ def note_case(what: str, got: str, want: str) -> None:
     current_kernel().note("input.case", what=what, got=got, want=want)
 
 
+def ring_settings_outcome(settings: dict[str, float], want: str) -> str:
+    """``ok``, or the refusal and whether its message says what ``want`` quotes."""
+    try:
+        RingSettings(**settings)  # type: ignore[arg-type]
+    except ValueError as e:
+        quoted = want.split(": ", 1)[-1]
+        return want if quoted in str(e) else f"ValueError: {e}"
+    return "ok"
+
+
 async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
     """What ``call`` gave: the name of the error it raised, or ``ok`` and its result."""
     try:
@@ -135,6 +159,9 @@ HOSTILE_INVARIANTS = (*(i for i in DEFAULT_INVARIANTS if i != "failures-have-cau
 async def hostile_keys_and_payloads(world: World) -> None:
     sender, receiver = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
     edge = (str(TALKER), str(CODE2WAV))
+
+    for name, (settings, want) in RING_SETTINGS_CASES.items():
+        note_case(f"a connector's ring with {name}", ring_settings_outcome(settings, want), want)
 
     for key in BAD_KEYS:
         got, _ = await outcome(lambda key=key: sender.put(*edge, key, {"x": 1}))  # type: ignore[misc]

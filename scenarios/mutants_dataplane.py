@@ -228,6 +228,43 @@ def spares_never_give_way() -> Iterator[Patch]:
     yield Patch(posix_store.PosixStore, "_drop_spares", lambda self: 0)
 
 
+def _regrant(self: Any) -> bool:
+    self._held = posix_store._try_flock(self._fd)
+    return self._held
+
+
+@mutant(
+    "lock_regranted_to_its_holder",
+    summary="a lock file's handle that holds its flock is granted it again (flock re-grants to the same open file): "
+    "two tasks of one process sharing the handle would both hold the key's lock, where the store in memory, and "
+    "every simulated run on it, refuses the second",
+    issue="omnisim issue 11 (the store model checked against the real store: this was the real store's code)",
+    scenarios=("store_model_agrees",),
+    expect=("store-model-faithful",),
+)
+def lock_regranted_to_its_holder() -> Iterator[Patch]:
+    yield Patch(posix_store._PosixLock, "try_acquire", _regrant)
+
+
+_remove_all = namespaces._remove_all
+
+
+@mutant(
+    "sweep_reports_a_failure_twice",
+    summary="a sweep's second look at a dead namespace tries again what it could not remove the first time: its "
+    "report lists the same failure twice, as the sweep did before sweep_reports found it",
+    issue="omnisim issue 9 (the sweep an operator runs), issue 11 (nothing read a sweep's report of errors)",
+    scenarios=("sweep_reports",),
+    expect=("sweep-reports-true",),
+)
+def sweep_reports_a_failure_twice() -> Iterator[Patch]:
+    def remove_all(*args: Any) -> set[str]:
+        _remove_all(*args)
+        return set()
+
+    yield Patch(namespaces, "_remove_all", remove_all)
+
+
 @mutant(
     "sweep_looks_once",
     summary="a sweep does not look at a dead namespace again once it removed what it listed: the spare a live "

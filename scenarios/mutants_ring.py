@@ -13,6 +13,7 @@ from typing import Any
 
 from omnisim.registry import Patch, mutant
 from runtime.connectors import ring as rings
+from runtime.connectors import shm as shm_module
 from runtime.connectors.ring import FRAME, PAD, Frame, Ring
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.wire import BufferIO
@@ -178,3 +179,48 @@ def ring_aborted_write_kept() -> Iterator[Patch]:
         return False
 
     yield Patch(Ring, "commit", commit)
+
+
+_cancel = Ring.cancel
+
+
+@mutant(
+    "cleanup_claims_a_consumed_frame",
+    summary="a cleanup of a key whose ring frame a reader already took, and the tail already passed, answers that "
+    "it removed an unread chunk: the count a release reports upstream is wrong",
+    issue="omnisim issue 11 (a blind spot of the mutation score: nothing checked what a cleanup answered)",
+    scenarios=("cleanup_during_put", "ring_wrap_cancel"),
+    expect=("answers-true",),
+    store="ring",
+)
+def cleanup_claims_a_consumed_frame() -> Iterator[Patch]:
+    def cancel(self: Ring, key: str, pos: int) -> bool:
+        return True if pos < self.tail else _cancel(self, key, pos)
+
+    yield Patch(Ring, "cancel", cancel)
+
+
+class _NoLock:
+    """``locked`` that takes no lock."""
+
+    def __init__(self, memory: object, *, wait_s: float, key: str) -> None:
+        pass
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+@mutant(
+    "ring_sections_unlocked",
+    summary="a ring's producer reserves frames and its readers take them and release space without the ring's lock: "
+    "across processes two writers of the head or the tail lose an update; on one thread every outcome is the same",
+    issue="omnisim issue 11 (a lock the simulator's one thread cannot miss: the mutation score's remove-lock slips)",
+    scenarios=("ring_full_slow_consumer", "ring_wrap_cancel"),
+    expect=("ring-writes-locked",),
+    store="ring",
+)
+def ring_sections_unlocked() -> Iterator[Patch]:
+    yield Patch(shm_module, "locked", _NoLock)

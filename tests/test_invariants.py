@@ -57,6 +57,40 @@ def test_full_store_clean_compares_each_case_with_what_it_must_give() -> None:
     ]
 
 
+def test_answers_true_compares_each_answer_with_what_the_connector_did() -> None:
+    assert INVARIANTS["answers-true"].check(world_of()) == []  # only an answer that differs is noted
+    answer = {"what": "the cleanup of R_0_1", "got": "removed: True", "want": "removed: False"}
+    broken = world_of(("connector.answer", answer))
+    assert INVARIANTS["answers-true"].check(broken) == [
+        "the cleanup of R_0_1: answered removed: True, did removed: False"
+    ]
+
+
+def test_sweep_reports_true_compares_each_part_of_a_report_with_what_it_must_say() -> None:
+    held = world_of(("sweep.case", {"what": "the sweep's live", "got": "['live']", "want": "['live']"}))
+    assert INVARIANTS["sweep-reports-true"].check(held) == []
+    broken = world_of(("sweep.case", {"what": "the sweep's foreign", "got": "[]", "want": "['omnisim-a-seg-x']"}))
+    assert INVARIANTS["sweep-reports-true"].check(broken) == [
+        "the sweep's foreign: [], where it must be ['omnisim-a-seg-x']"
+    ]
+
+
+def test_ring_writes_locked_flags_a_head_or_tail_moved_without_the_lock() -> None:
+    assert INVARIANTS["ring-writes-locked"].check(world_of()) == []
+    moved = {"edge": "edge_1_2", "when": "taken", "left": "(128, 64)", "found": "(192, 64)"}
+    assert INVARIANTS["ring-writes-locked"].check(world_of(("ring.unlocked_write", moved))) == [
+        "the edge_1_2 ring's head and tail were (192, 64) when its lock was taken, though its last holder left "
+        "them at (128, 64)"
+    ]
+
+
+def test_store_model_faithful_compares_the_model_with_the_real_store() -> None:
+    held = world_of(("model.case", {"what": "retire segment b", "got": "True", "want": "True"}))
+    assert INVARIANTS["store-model-faithful"].check(held) == []
+    broken = world_of(("model.case", {"what": "h1 acquires again", "got": "False", "want": "True"}))
+    assert INVARIANTS["store-model-faithful"].check(broken) == ["h1 acquires again: in memory False; on a tmpfs True"]
+
+
 def test_aligner_complete_needs_the_whole_waveform_and_refuses_http_streaming() -> None:
     held = world_of(
         ("serving.timestamps_over_http", {"accepted": False}),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.connectors.keys import MAX_KEY_LENGTH, InvalidKeyError
-from runtime.connectors.namespaces import ShmDirectory
+from runtime.connectors.namespaces import Owner, ShmDirectory
 from runtime.connectors.posix_store import SHM_DIR, PosixStore
 from runtime.connectors.stores import (
     SPARES_KEPT,
@@ -169,6 +169,7 @@ def test_lock_is_exclusive_between_handles(store: Store) -> None:
     b = store.open_lock("k", create=False)
     assert a is not None and b is not None
     assert a.try_acquire() is True
+    assert a.try_acquire() is False  # (flock would grant it again: another task may share the handle)
     assert b.try_acquire() is False
     assert b.try_acquire() is False
     a.release()
@@ -253,6 +254,31 @@ def test_memory_store_capacity() -> None:
     write_segment(s, "c", b"z" * 60)
     write_segment(s, "c", b"w" * 60)  # replacing counts the old one as freed
     assert s.segments() == ["b", "c"]
+
+
+def test_memory_store_counts_room_as_a_tmpfs_does() -> None:
+    """Whole pages, the owner record's page and name included; a name removed under an open
+    handle keeps its room until the handle closes; a spare's link needs a name of its own
+    (``store_model_agrees`` checks the same against a real tmpfs)."""
+    page = 4096
+    s = MemoryStore(capacity=8 * page, max_names=4, page=page, owner=Owner(1, 1, "sim"), spare_min_bytes=1)
+    assert (s.used(), s.names_used()) == (page, 1)
+    write_segment(s, "a", b"x")  # one byte takes a page
+    assert (s.used(), s.names_used()) == (2 * page, 2)
+    reader = s.open_segment("a")
+    assert reader is not None
+    assert s.unlink_segment("a") is True
+    assert (s.used(), s.names_used()) == (2 * page, 2)  # its reader still holds it
+    reader.close()
+    assert (s.used(), s.names_used()) == (page, 1)
+    write_segment(s, "b", b"y")
+    write_segment(s, "c", b"z")
+    write_segment(s, "d", b"w")
+    assert s.names_used() == 4
+    assert s.retire_segment("d") is True
+    assert s.spares() == []  # no name was left for the spare's link
+    assert s.retire_segment("c") is True
+    assert s.spares() == ["c"]
 
 
 def test_memory_store_namespaces_do_not_share_state() -> None:

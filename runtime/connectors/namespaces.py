@@ -261,8 +261,10 @@ async def sweep(
         if dry_run:
             report.removed.extend(entry.name for entry in doomed)
             continue
-        _remove_all(directory, namespace, doomed, report)
-        _remove_all(directory, namespace, _made_meanwhile(directory, namespace), report)
+        failed = _remove_all(directory, namespace, doomed, report)
+        # (what could not be removed is reported once: the second look is for names made meanwhile)
+        again = [e for e in _made_meanwhile(directory, namespace) if e.name not in failed]
+        _remove_all(directory, namespace, again, report)
     return report
 
 
@@ -278,8 +280,10 @@ def _is_owner(entry: Entry) -> bool:
     return entry.name.endswith(f"-{OWNER_SUFFIX}")
 
 
-def _remove_all(directory: Directory, namespace: str, entries: list[Entry], report: SweepReport) -> None:
+def _remove_all(directory: Directory, namespace: str, entries: list[Entry], report: SweepReport) -> set[str]:
+    """Remove ``entries``, reporting each; the names that could not be removed."""
     k = current_kernel()
+    failed = set()
     for entry in entries:
         try:
             directory.remove(entry.name)
@@ -287,9 +291,11 @@ def _remove_all(directory: Directory, namespace: str, entries: list[Entry], repo
             continue
         except OSError as e:
             report.errors.append(f"{entry.name}: {e.strerror or e}")
+            failed.add(entry.name)
             continue
         k.note("sweep.removed", ns=namespace, name=entry.name)
         report.removed.append(entry.name)
+    return failed
 
 
 def _verdict(

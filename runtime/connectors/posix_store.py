@@ -240,6 +240,8 @@ class _PosixLock:
 
     def try_acquire(self) -> bool:
         assert self._fd is not None
+        if self._held:
+            return False  # ``flock`` would grant it again: another task of this process holds it
         self._held = _try_flock(self._fd)
         return self._held
 
@@ -523,11 +525,11 @@ class PosixStore:
         path = self._ring_path(edge)
         with _translated("create ring", edge):
             try:
-                fd = _create(path)
+                fd = self.with_room(lambda: _create(path))
             except FileExistsError:
                 if _is_ours(path, f"ring {edge!r}"):
                     self.unlink_ring(edge)
-                fd = _create(path)
+                fd = self.with_room(lambda: _create(path))
         try:
             self.with_room(lambda: os.posix_fallocate(fd, 0, capacity))
             return _PosixRing(fd, capacity, lambda: self.handles.opened(f"ring {edge}"))

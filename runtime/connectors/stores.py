@@ -219,6 +219,13 @@ class OpenHandles:
         return sorted(self._open.elements())
 
 
+def _bytes_of(file: object) -> int:
+    """The bytes a file of the store holds: a segment's, a ring's, or none (a lock file)."""
+    if isinstance(file, bytearray):
+        return len(file)
+    return len(file.data) if isinstance(file, _RingInode) else 0
+
+
 class _LockInode:
     """One lock file; its lock belongs to the file, not to the name."""
 
@@ -280,6 +287,9 @@ class _MemSegment(_MemReader):
         if spare is None:
             self._data.extend(bytes(size))
         else:
+            # The spare is open now, and the empty file it replaced under the key's name is closed.
+            self._on_close()
+            self._on_close = self._store._opened(f"segment {self._key}", spare)
             self._data = spare
         self._view = memoryview(self._data).cast("B")
 
@@ -329,10 +339,13 @@ class _MemRing:
 
 class MemoryStore:
     """Segments and lock files in dictionaries; ``capacity`` bytes in all and ``max_names``
-    names (a tmpfs's size and inode count; None: unbounded).
+    names (a tmpfs's size and inode count; None: unbounded). Space is counted in whole pages of
+    ``page`` bytes, as a tmpfs counts it (a 1-byte file holds a page), the owner record's page
+    included; a ``page`` of 1 counts bytes.
 
     A lock held through a lock file whose name was removed stays with that open file, as with
-    ``flock`` on an unlinked inode; a new lock file of the same name is a new lock.
+    ``flock`` on an unlinked inode; a new lock file of the same name is a new lock. A file whose
+    name was removed keeps its room (its name and its pages) until its last handle is closed.
     """
 
     def __init__(
@@ -343,10 +356,12 @@ class MemoryStore:
         *,
         spare_min_bytes: int = SPARE_MIN_BYTES,
         max_names: int | None = None,
+        page: int = 1,
     ) -> None:
         self.namespace = namespace
         self.capacity = capacity
         self.max_names = max_names
+        self.page = page
         self.spare_min_bytes = spare_min_bytes
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
@@ -355,35 +370,72 @@ class MemoryStore:
         self._locks: dict[str, _LockInode] = {}
         self._rings: dict[str, _RingInode] = {}
         self.handles = OpenHandles()
+        #: The files with handles open on them, by identity: (the file, how many handles).
+        self._open_files: dict[int, tuple[object, int]] = {}
 
     def used(self) -> int:
-        held = itertools.chain(self._segments.values(), self._spares.values(), (r.data for r in self._rings.values()))
-        return sum(len(b) for b in held)
+        files = itertools.chain(self._segments.values(), self._spares.values(), self._rings.values(), self._unnamed())
+        owner = len(self._owner.to_json()) if self._owner is not None else 0
+        return sum(self._pages(_bytes_of(f)) for f in files) + self._pages(owner)
+
+    def _opened(self, name: str, file: object) -> Callable[[], None]:
+        """Count a handle on ``file`` (named ``name`` when opened); the returned function
+        uncounts it, once however often called."""
+        uncount = self.handles.opened(name)
+        held, count = self._open_files.get(id(file), (file, 0))
+        self._open_files[id(file)] = (held, count + 1)
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                uncount()
+                held, count = self._open_files[id(file)]
+                if count == 1:
+                    del self._open_files[id(file)]
+                else:
+                    self._open_files[id(file)] = (held, count - 1)
+
+        return close
+
+    def _unnamed(self) -> list[object]:
+        """The open files whose names were removed: each still holds its room."""
+        named = {id(f) for f in (*self._segments.values(), *self._spares.values())}
+        named |= {id(f) for f in (*self._locks.values(), *self._rings.values())}
+        return [f for i, (f, _) in self._open_files.items() if i not in named]
+
+    def _pages(self, size: int) -> int:
+        """The room ``size`` bytes of one file take: whole pages."""
+        return -(-size // self.page) * self.page
 
     def _name_made(self, key: str) -> None:
         """Room for one more name, once the spares gave way if they must; else :class:`StoreFull`
         (no inodes left)."""
         if self.max_names is None:
             return
-        if self._names() >= self.max_names:
+        if self.names_used() >= self.max_names:
             self._drop_spares()
-        if self._names() >= self.max_names:
+        if self.names_used() >= self.max_names:
             raise StoreFull(key, 0, inodes=True)
 
-    def _names(self) -> int:
-        return len(self._segments) + len(self._spares) + len(self._locks) + len(self._rings)
+    def names_used(self) -> int:
+        """The names in use: an inode each on a tmpfs, the owner record's included."""
+        owner = 1 if self._owner is not None else 0
+        named = len(self._segments) + len(self._spares) + len(self._locks) + len(self._rings)
+        return named + owner + len(self._unnamed())
 
     def create_segment(self, key: str) -> _MemSegment:
         if key not in self._segments:
             self._name_made(key)
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
-        return _MemSegment(self, key, data, self.handles.opened(f"segment {key}"))
+        return _MemSegment(self, key, data, self._opened(f"segment {key}", data))
 
     def open_segment(self, key: str) -> BufferIO | None:
         data = self._segments.get(key)
         if data is None:
             return None
-        return _MemReader(memoryview(data).toreadonly(), self.handles.opened(f"segment {key}"))
+        return _MemReader(memoryview(data).toreadonly(), self._opened(f"segment {key}", data))
 
     def unlink_segment(self, key: str) -> bool:
         return self._segments.pop(key, None) is not None
@@ -395,8 +447,11 @@ class MemoryStore:
         data = self._segments.pop(key, None)
         if data is None:
             return False
-        if len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT:
-            self._spares.setdefault(key, data)  # (a link: it never replaces a spare of that name)
+        # (a link: it never replaces a spare of that name, and on a tmpfs it takes a name of its own
+        # until the key's is gone, so with no name left the segment goes, unkept)
+        has_name = self.max_names is None or self.names_used() + 1 < self.max_names
+        if len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT and has_name:
+            self._spares.setdefault(key, data)
         return True
 
     def _take_spare(self, key: str, created: bytearray, size: int) -> bytearray | None:
@@ -411,7 +466,7 @@ class MemoryStore:
         if name is None:
             return None
         old = self._spares[name]
-        if self.capacity is not None and self.used() + size - len(old) > self.capacity:
+        if self.capacity is not None and self.used() + self._pages(size) - self._pages(len(old)) > self.capacity:
             return None  # too small to grow here: the put makes room as for a fresh segment
         data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
         at, zeros = uncommitted_tail(size)
@@ -423,10 +478,10 @@ class MemoryStore:
     def _make_room(self, size: int) -> bool:
         """Whether ``size`` more bytes fit, once the spares gave way if they must (as a full
         /dev/shm makes them)."""
-        if self.capacity is None or self.used() + size <= self.capacity:
+        if self.capacity is None or self.used() + self._pages(size) <= self.capacity:
             return True
         self._drop_spares()
-        return self.used() + size <= self.capacity
+        return self.used() + self._pages(size) <= self.capacity
 
     def _drop_spares(self) -> int:
         """Remove every spare (the store is full: a cache gives way); how many."""
@@ -447,7 +502,7 @@ class MemoryStore:
                 return None
             self._name_made(key)
             inode = self._locks[key] = _LockInode()
-        return _MemLock(self, key, inode, self.handles.opened(f"lock {key}"))
+        return _MemLock(self, key, inode, self._opened(f"lock {key}", inode))
 
     def remove_lock(self, key: str) -> bool:
         return self._locks.pop(key, None) is not None
@@ -455,14 +510,14 @@ class MemoryStore:
     def create_ring(self, edge: str, capacity: int) -> _MemRing:
         self._rings.pop(edge, None)
         self._name_made(edge)
-        if self.capacity is not None and self.used() + capacity > self.capacity:
+        if not self._make_room(capacity):
             raise StoreFull(edge, capacity)
         inode = self._rings[edge] = _RingInode(capacity)
-        return _MemRing(inode, self.handles.opened(f"ring {edge}"))
+        return _MemRing(inode, self._opened(f"ring {edge}", inode))
 
     def open_ring(self, edge: str) -> _MemRing | None:
         inode = self._rings.get(edge)
-        return None if inode is None else _MemRing(inode, self.handles.opened(f"ring {edge}"))
+        return None if inode is None else _MemRing(inode, self._opened(f"ring {edge}", inode))
 
     def unlink_ring(self, edge: str) -> bool:
         return self._rings.pop(edge, None) is not None

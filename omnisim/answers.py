@@ -1,0 +1,131 @@
+"""What a connector answers its callers, checked against what it did (``answers-true``).
+
+The adapter and upstream's callers act on a connector's answers: a put's result (``ok``, the
+bytes it put, the metadata a get names the chunk by), a cleanup's whether it removed an unread
+chunk, ``cleanup_prefix``'s count of those, a wait's whether its stage's wakeup generation
+moved. A slip in an answer leaves the store as it should be, so no check of the store sees it.
+Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
+from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
+between that point and its removal, on the kernel's one thread): whether the key has a segment of
+ours, or a frame on one of the connector's rings that is unread or being written. Only an answer
+that differs is noted (``connector.answer``), so a clean run's trace is what it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from invariants.dataplane import ring_unread_keys
+from runtime.connectors.base import PutResult
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import Store
+from runtime.kernel import current_kernel
+
+
+@dataclass
+class _Cleanup:
+    """A cleanup in progress: whose and of what, and the truth once it decides."""
+
+    connector: ShmConnector
+    key: str
+    unread: bool | None = None
+
+
+class Answers:
+    """The answers of a world's connectors. ``raw``: a connector's store without its process's
+    handle; ``planted``: whether the scenario planted a name of a store's namespace (``seg-K``:
+    a segment that is not the connector's to remove); ``rings``: a store's rings of ours, by
+    edge, with their bytes."""
+
+    def __init__(
+        self,
+        raw: Callable[[Store], Store],
+        planted: Callable[[Store, str], bool],
+        rings: Callable[[Store], Iterator[tuple[str, memoryview]]],
+    ) -> None:
+        self._raw = raw
+        self._planted = planted
+        self._rings = rings
+        #: The cleanup each trio task is in, and the cleanups a cleanup_prefix of it made.
+        self._cleaning: dict[trio.lowlevel.Task, _Cleanup] = {}
+        self._removed_by_prefix: dict[trio.lowlevel.Task, int] = {}
+
+    def watch(self, connector: ShmConnector) -> None:
+        """Check every answer ``connector`` gives from now on."""
+        put, cleanup, cleanup_prefix = connector.put, connector.cleanup, connector.cleanup_prefix
+        wait_for_change = connector.wait_for_change
+
+        async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
+            result = await put(from_stage, to_stage, put_key, data)
+            _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
+            return result
+
+        async def answered_cleanup(key: str) -> bool:
+            task = trio.lowlevel.current_task()
+            asked = self._cleaning[task] = _Cleanup(connector, key)
+            try:
+                removed = await cleanup(key)
+            finally:
+                del self._cleaning[task]
+            if asked.unread is not None:
+                _check(f"the cleanup of {key}", f"removed: {removed}", f"removed: {asked.unread}")
+            if task in self._removed_by_prefix:
+                self._removed_by_prefix[task] += removed
+            return removed
+
+        async def answered_cleanup_prefix(key_prefix: str) -> int:
+            task = trio.lowlevel.current_task()
+            self._removed_by_prefix[task] = 0
+            try:
+                count = await cleanup_prefix(key_prefix)
+            finally:
+                removed = self._removed_by_prefix.pop(task)
+            _check(f"the cleanup of the keys {key_prefix}N", f"{count} removed", f"{removed} removed")
+            return count
+
+        async def answered_wait_for_change(
+            generation: int, *, timeout: float, ready: Callable[[], bool] | None = None
+        ) -> bool:
+            changed = await wait_for_change(generation, timeout=timeout, ready=ready)
+            now = connector.get_wakeup_generation()
+            moved = now is not None and now != generation
+            _check(f"a wait for a wakeup past generation {generation}", f"changed: {changed}", f"changed: {moved}")
+            return changed
+
+        connector.put = answered_put  # type: ignore[method-assign]
+        connector.cleanup = answered_cleanup  # type: ignore[method-assign]
+        connector.cleanup_prefix = answered_cleanup_prefix  # type: ignore[method-assign]
+        connector.wait_for_change = answered_wait_for_change  # type: ignore[method-assign]
+
+    def at_cleanup_begin(self, _task: object, attrs: dict[str, Any]) -> None:
+        """A cleanup is about to decide: what is there for it to remove."""
+        asked = self._cleaning.get(trio.lowlevel.current_task())
+        if asked is not None and asked.key == attrs["key"]:
+            asked.unread = self._unread(asked.connector, asked.key)
+
+    def _unread(self, connector: ShmConnector, key: str) -> bool:
+        store = self._raw(connector.store)
+        if store.segment_exists(key) and not self._planted(store, f"seg-{key}"):
+            return True
+        sent_on = f"edge_{connector.stage_id}_"
+        return any(key in ring_unread_keys(view) for edge, view in self._rings(store) if edge.startswith(sent_on))
+
+
+def _put_answer(result: PutResult, key: str) -> str:
+    """``as it went`` if ``result`` is what a put answers: the bytes it put and metadata naming
+    the key if it succeeded, no bytes and the cause if it failed."""
+    metadata = result.metadata or {}
+    if result.ok:
+        names = metadata.get("shm", {}).get("name") == key and metadata.get("size") == result.size
+        return "as it went" if result.size > 0 and names else f"ok, {result.size} bytes, metadata {metadata}"
+    error = metadata.get("error")
+    return "as it went" if result.size == 0 and isinstance(error, str) and error else f"failed, {result.size} bytes"
+
+
+def _check(what: str, got: str, want: str) -> None:
+    if got != want:
+        current_kernel().note("connector.answer", what=what, got=got, want=want)
