@@ -287,6 +287,16 @@ def ring_writes_locked(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "os-errors-clean",
+    "a system call of the store that fails (EIO, ENOSPC) or moves fewer bytes than asked fails the put or get it "
+    "struck cleanly, naming the error, never as a raw OSError, and leaves the other chunks whole (checked by the "
+    "os-errors scenario)",
+)
+def os_errors_clean(world: ObservedWorld) -> list[str]:
+    return world.missed_cases("os.case", "{what}: got {got}, must give {want}")
+
+
+@invariant(
     "store-model-faithful",
     "the store in memory that simulated runs stand on does what the real store does on a tmpfs of the same room, "
     "call by call: the same result or error, the same names, handles open and room left (checked by the "

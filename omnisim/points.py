@@ -112,6 +112,7 @@ POINTS: dict[str, tuple[str, str]] = {
         "note",
         "a ring's head or tail moved with its lock free (seen when it was next taken) [edge, when, left, found]",
     ),
+    "os.case": ("note", "what a put or get gave as a system call of the store failed, and what must [what, got, want]"),
     "model.case": ("note", "what a call gave on the store in memory, and what on the real one [what, got, want]"),
     "room.case": ("note", "what a put or get on a store of bounded room gave, and what it must give [what, got, want]"),
     "shm.planted": ("note", "what became of a name a scenario planted in /dev/shm, and what must [what, got, want]"),

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room
+from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room, ring_unread_keys
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim import devshm, tmpfs
 from omnisim.answers import Answers
@@ -35,6 +35,7 @@ from runtime.connectors import namespaces, posix_store
 from runtime.connectors.base import PutResult
 from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import unread_frames
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore, Store, StoreError
 from runtime.connectors.wakeup import FifoWakeups, LocalWakeups, Wakeups
@@ -533,6 +534,16 @@ class World:
         }
         self.snapshots.append(Snapshot(label, stores, residue, health=health))
 
+    def _check_unread_frames_report(self) -> None:
+        """What the runtime reports unread on each namespace's rings (a pipeline run's residue)
+        must be what the harness reads there (``answers-true``)."""
+        for name, (store, _) in self.namespaces.items():
+            reported = sorted(set(unread_frames(store)))
+            seen = sorted({f"{edge}:{key}" for edge, view in ring_views(store) for key in ring_unread_keys(view)})
+            if reported != seen:
+                what = f"the frames unread on the rings of {name}, as the runtime reports them"
+                current_kernel().note("connector.answer", what=what, got=str(reported), want=str(seen))
+
     def _held_ring_frames(self, store: Store) -> list[str]:
         """``EDGE:KEY (why)`` for every frame on the store's rings that holds its space (see
         :func:`invariants.dataplane.ring_frames_held`), read from the shared bytes with the
@@ -557,6 +568,7 @@ class World:
             if self.settle is not None:
                 await self.settle()
             self.ring_locks.check_idle([store for store, _ in self.namespaces.values()])
+            self._check_unread_frames_report()
             self.snapshot("quiescence")
             self._check_wakeups_available()
             self._check_owner_records()

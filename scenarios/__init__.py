@@ -20,6 +20,7 @@ from scenarios import (  # noqa: F401
     mutants_ring,
     mutants_sender,
     mutants_stages,
+    os_errors,
     pipeline,
     processor_contract,
     race_6670,

@@ -7,7 +7,8 @@ is made (``no-orphan-shm`` and ``no-orphan-lock`` see that at the end), and the 
 the boundary — the longest key, every allowed character, every dtype, empty and zero-dimensional
 tensors, strided views, tuple dict keys, the extreme integers — goes through unchanged. A
 connector's ring settings are input too: a ring too small, not in whole 64-byte lines, or with
-frames of no size or of more than half of it is refused with an error that names the rule.
+frames of no size or of more than half of it is refused with an error that names the rule; and so
+is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one).
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
 which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
@@ -30,7 +31,9 @@ from omnisim.world import World
 from runtime.connectors import keys
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
+from runtime.connectors.posix_store import NAMESPACE_PATTERN, PosixStore
 from runtime.connectors.ring import ALIGN, RingSettings
+from runtime.connectors.shm import ShmConnector
 from runtime.kernel import current_kernel
 from runtime.serving import MAX_INPUT_CHARS
 from scenarios.edge import CODE2WAV, TALKER, edge_scenario
@@ -45,6 +48,9 @@ CLEAN_FAILURE = "a failed put, or a corrupt chunk"
 BAD_KEYS: tuple[object, ...] = ("", ".", "..", "a/b", "../x", "a b", "é", "k" * (MAX_KEY_LENGTH + 1), 7, None)
 #: The longest key, made of every allowed character.
 LONGEST_KEY = (ALPHABET * MAX_KEY_LENGTH)[:MAX_KEY_LENGTH]
+#: Key lengths around where a ring frame's header (24 bytes and the key) crosses into another
+#: 64-byte line: one byte short of it, exactly on it, one byte into the next.
+LINE_KEY_LENGTHS = (39, 40, 41, 103, 104, 105)
 
 #: Payloads the wire format cannot carry.
 BAD_PAYLOADS: dict[str, object] = {
@@ -66,6 +72,16 @@ RING_SETTINGS_CASES: dict[str, tuple[dict[str, float], str]] = {
     "frames of at most half the ring": ({"max_frame_fraction": 0.5}, "ok"),
     "frames of more than half the ring": ({"max_frame_fraction": 0.51}, "ValueError: (0, 0.5]"),
     "frames of no size": ({"max_frame_fraction": 0.0}, "ValueError: (0, 0.5]"),
+}
+
+#: Namespaces a POSIX store is made with (its names' stem in /dev/shm), next to what they must
+#: give: 1 to 24 characters of [a-z0-9], refused otherwise with the rule; none: a fresh one.
+NAMESPACE_CASES: dict[str, tuple[str | None, str]] = {
+    "no namespace": (None, "ok"),
+    "the longest namespace": ("a0" * 12, "ok"),
+    "a namespace one character too long": ("a" * 25, "ValueError: 1-24 characters of [a-z0-9]"),
+    "a namespace with a capital and a '!'": ("Bad!", "ValueError: 1-24 characters of [a-z0-9]"),
+    "an empty namespace": ("", "ok"),  # (as none: a fresh one)
 }
 
 #: How a get names the key ``K`` that was put: by its own key next to metadata (what the put
@@ -137,6 +153,17 @@ def ring_settings_outcome(settings: dict[str, float], want: str) -> str:
     return "ok"
 
 
+def namespace_outcome(namespace: str | None, want: str) -> str:
+    """``ok`` if a store made with ``namespace`` (recording no owner) has a namespace of the
+    rule's, or the refusal and whether its message says what ``want`` quotes."""
+    try:
+        made = PosixStore(namespace, claim=False).namespace
+    except ValueError as e:
+        quoted = want.split(": ", 1)[-1]
+        return want if quoted in str(e) else f"ValueError: {e}"
+    return "ok" if NAMESPACE_PATTERN.fullmatch(made) and made == (namespace or made) else f"namespace {made!r}"
+
+
 async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
     """What ``call`` gave: the name of the error it raised, or ``ok`` and its result."""
     try:
@@ -162,6 +189,8 @@ async def hostile_keys_and_payloads(world: World) -> None:
 
     for name, (settings, want) in RING_SETTINGS_CASES.items():
         note_case(f"a connector's ring with {name}", ring_settings_outcome(settings, want), want)
+    for name, (namespace, want) in NAMESPACE_CASES.items():
+        note_case(f"a store made with {name}", namespace_outcome(namespace, want), want)
 
     for key in BAD_KEYS:
         got, _ = await outcome(lambda key=key: sender.put(*edge, key, {"x": 1}))  # type: ignore[misc]
@@ -189,8 +218,10 @@ async def hostile_keys_and_payloads(world: World) -> None:
     got, _ = await outcome(lambda: receiver.get(*edge, "good_0_0", {"get_key": "../x"}))
     note_case("a get whose metadata names the key '../x'", got, "InvalidKeyError")
 
-    for i, (name, payload) in enumerate({"the longest key": {"x": 1}, **good_payloads()}.items()):
-        key = LONGEST_KEY if i == 0 else f"good_{i}_0"
+    line_keys = {f"a key of {n} characters": ("k" * (n - 4) + "_0_0", {"x": n}) for n in LINE_KEY_LENGTHS}
+    cases = {"the longest key": (LONGEST_KEY, {"x": 1}), **line_keys}
+    cases |= {name: (f"good_{i}_0", payload) for i, (name, payload) in enumerate(good_payloads().items(), 1)}
+    for name, (key, payload) in cases.items():
         fired = len(world.fired_faults())
         put_got, put = await outcome(lambda key=key, payload=payload: sender.put(*edge, key, payload))  # type: ignore[misc]
         got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
@@ -204,6 +235,41 @@ async def hostile_keys_and_payloads(world: World) -> None:
             note_case(f"{name}, put and got back under an injected fault", seen, CLEAN_FAILURE)
         else:
             note_case(f"{name}, put and got back", seen, ROUND_TRIP)
+
+
+#: Stage ids a connector is made with at upstream's API edge, which takes any: wakeups go to a
+#: non-negative int, and any other polls (by name: whether it has wakeups).
+STAGE_IDS: dict[str, tuple[object, bool]] = {
+    "stage 0": (0, True),
+    "stage -1": (-1, False),
+    "a stage id that is not an int": ("talker", False),
+}
+#: How long a wait for a wakeup lasts when nothing comes.
+WAKEUP_WAIT_S = 0.05
+
+
+@edge_scenario(
+    "wakeup_stage_ids",
+    summary="connectors are made with stage ids upstream's API accepts, valid for wakeups or not (0; -1; a name): "
+    "one of a non-negative stage has a wakeup generation and waits for a change; any other has none and answers "
+    "at once that nothing changed, without waiting",
+    issue="spec §2.6 (wakeups), upstream's connector API (any stage id at its edge)",
+    invariants=HOSTILE_INVARIANTS,
+)
+async def wakeup_stage_ids(world: World) -> None:
+    k = current_kernel()
+    for name, (stage_id, wakes) in STAGE_IDS.items():
+        connector = ShmConnector(world.store, stage_id=stage_id, wakeups=world.wakeups)  # type: ignore[arg-type]
+        world.watch_connector(connector)
+        generation = connector.get_wakeup_generation()
+        got = "a generation" if isinstance(generation, int) else repr(generation)
+        note_case(f"the wakeup generation of a connector of {name}", got, "a generation" if wakes else "None")
+        started = k.now()
+        changed = await connector.wait_for_change(generation or 0, timeout=WAKEUP_WAIT_S)
+        got = f"{'waited' if k.now() > started else 'answered at once'}, {'a change' if changed else 'no change'}"
+        want = "waited, no change" if wakes else "answered at once, no change"
+        note_case(f"a wait for a wakeup of {name}", got, want)
+        await connector.close()
 
 
 #: Request ids an engine must refuse at submission.

@@ -246,6 +246,19 @@ def lock_regranted_to_its_holder() -> Iterator[Patch]:
     yield Patch(posix_store._PosixLock, "try_acquire", _regrant)
 
 
+@mutant(
+    "every_store_error_reads_as_full",
+    summary="every failure of a system call the POSIX store makes is reported as a full /dev/shm: an operator frees "
+    "space that is not short, and the real error (an I/O error) is never seen",
+    issue="omnisim issue 9 (every storage error a clean failure, naming its cause)",
+    scenarios=("os_errors",),
+    expect=("os-errors-clean",),
+    store="posix",
+)
+def every_store_error_reads_as_full() -> Iterator[Patch]:
+    yield Patch(posix_store, "_store_error", lambda what, key, e: stores.StoreFull(key, 0, inodes=True))
+
+
 _remove_all = namespaces._remove_all
 
 

@@ -7,8 +7,11 @@ Here a private tmpfs holds what a machine's /dev/shm may hold, made by hand so t
 known: a dead owner's namespace with every kind of name and a folder of FIFOs holding another
 user's file; a live owner's; an ownerless one too young to judge and one old enough to sweep; two
 young ones whose dead owner's record is padded to 4 KiB (read: the largest a record may be) and
-past it (not read: the namespace counts as ownerless); a name of the dead namespace others may
-read, a symlink, and a name that is not omnisim's. A dry
+past it (not read: the namespace counts as ownerless), and a young one whose record names pid 0
+(no process: ownerless too); a name of the dead namespace others may read, a symlink, and a name
+that is not omnisim's. While the sweep removes the dead namespace's segment, a consumer that was
+reading it hands it back as a spare (a name the sweep's first look did not see, which its second
+must find). A dry
 run, then a sweep, each through the runtime's own :func:`~runtime.connectors.namespaces.sweep`
 on the real folder; each part of each report is noted beside what it must say
 (``sweep-reports-true``), and so is what the folder holds afterwards.
@@ -25,7 +28,7 @@ from omnisim.registry import DEFAULT_INVARIANTS, scenario
 from omnisim.sim_kernel import MAIN_PROCESS
 from omnisim.tmpfs import why_unavailable
 from omnisim.world import Room, World
-from runtime.connectors.namespaces import OWNER_SUFFIX, ShmDirectory, SweepReport, sweep, write_owner
+from runtime.connectors.namespaces import OWNER_SUFFIX, Owner, ShmDirectory, SweepReport, sweep, write_owner
 from runtime.kernel import current_kernel
 
 #: The folder's room: a few namespaces' worth of empty names.
@@ -36,7 +39,7 @@ STRANGER_UID = 54321
 OLD_S = 3600.0
 
 #: The names the scenario makes (the world's own store, if it has one here, is none of them).
-MADE = re.compile(r"omnisim-(dead|live|young|old|full|over)-.*|not-omnisim")
+MADE = re.compile(r"omnisim-(dead|live|young|old|full|over|zero)-.*|not-omnisim")
 #: The largest owner record a sweep reads.
 RECORD_MAX = 4096
 #: The names of each namespace of ours, besides its owner record.
@@ -47,7 +50,10 @@ OURS = {
     "old": ("lock-k", "seg-k"),
     "full": ("seg-k",),
     "over": ("seg-k",),
+    "zero": ("seg-k",),
 }
+#: The spare a consumer hands back while the sweep removes the dead namespace's segment.
+HANDED_BACK = "omnisim-dead-spare-k"
 
 
 def sweep_world(store_kind: str) -> World:
@@ -87,6 +93,7 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
         with open(os.path.join(path, name(namespace, OWNER_SUFFIX)), "wb") as f:
             f.write(record + b" " * (size - len(record)))  # (JSON padded with blanks: still the record)
         os.chmod(os.path.join(path, name(namespace, OWNER_SUFFIX)), 0o600)
+    write_owner(os.path.join(path, name("zero", OWNER_SUFFIX)), Owner(0, 1, dead.pid_namespace))
     wake = os.path.join(path, name("dead", "wake"))
     os.mkdir(wake, 0o700)
     os.mkfifo(os.path.join(wake, "2"), 0o600)
@@ -107,11 +114,12 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
         "dry run, removed": doomed("dead", True) + doomed("full", True) + doomed("old", False),
         # The FIFO folder holds another user's file: it stays, and the sweep says so.
         "removed": [n for n in doomed("dead", True) if not n.endswith("-wake")]
+        + [HANDED_BACK]
         + doomed("full", True)
         + doomed("old", False),
         "live": ["live"],
         "unjudged": [],
-        "young_orphans": ["over", "young"],
+        "young_orphans": ["over", "young", "zero"],
         "foreign": sorted(foreign),
         "errors": [f"{name('dead', 'wake')}: {os.strerror(errno.ENOTEMPTY)}"],
     }
@@ -137,7 +145,7 @@ def said(report: SweepReport, part: str) -> list[str]:
 async def sweep_reports(world: World) -> None:
     path = world.private_shm_dir()
     want = make_folder(world, path)
-    folder = ShmDirectory(wall_clock=time.time, path=path)
+    folder = HandingBack(wall_clock=time.time, path=path)
     before = made_in(path)
     own = (world.store.namespace,)  # (the world's store, here when it is a POSIX one: not the scenario's)
     dry = await sweep(folder, world.processes, dry_run=True, keep=own)
@@ -146,12 +154,25 @@ async def sweep_reports(world: World) -> None:
         report = dry if part.startswith("dry run") else None
         if report is not None:
             note_case(f"the {part} part of the report", said(report, part), names)
+    folder.hand_back = True
     done = await sweep(folder, world.processes, keep=own)
     for part, names in want.items():
         if not part.startswith("dry run"):
             note_case(f"the sweep's {part}", said(done, part), names)
     left = sorted(set(before) - set(want["removed"]))
     note_case("what the sweep left", made_in(path), left)
+
+
+class HandingBack(ShmDirectory):
+    """The folder, where a consumer still reading the dead namespace's segment hands it back as
+    a spare (a link to a name of its own) right before the sweep removes it, once ``hand_back``."""
+
+    hand_back = False
+
+    def remove(self, name: str) -> None:
+        if self.hand_back and name == "omnisim-dead-seg-k":
+            os.link(os.path.join(self.path, name), os.path.join(self.path, HANDED_BACK))
+        super().remove(name)
 
 
 def made_in(path: str) -> list[str]:

@@ -84,6 +84,15 @@ def test_ring_writes_locked_flags_a_head_or_tail_moved_without_the_lock() -> Non
     ]
 
 
+def test_os_errors_clean_compares_each_outcome_with_what_it_must_give() -> None:
+    held = world_of(("os.case", {"what": "the put of O_1_0", "got": "ok", "want": "ok"}))
+    assert INVARIANTS["os-errors-clean"].check(held) == []
+    raw = {"what": "the get of O_1_0", "got": "raised a raw OSError: [Errno 5]", "want": "round trip"}
+    assert INVARIANTS["os-errors-clean"].check(world_of(("os.case", raw))) == [
+        "the get of O_1_0: got raised a raw OSError: [Errno 5], must give round trip"
+    ]
+
+
 def test_store_model_faithful_compares_the_model_with_the_real_store() -> None:
     held = world_of(("model.case", {"what": "retire segment b", "got": "True", "want": "True"}))
     assert INVARIANTS["store-model-faithful"].check(held) == []

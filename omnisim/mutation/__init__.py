@@ -120,11 +120,12 @@ def mutate(
     for name in names:
         registry.get_scenario(name)
     start = time.perf_counter()
-    # The faulted plans run on the memory store only: an injected fault is an exception at a
-    # point, the same on every store, and a survivor runs every plan that covers it.
-    plans = [
-        Plan(name, store) for name in names for store in STORES if registry.SCENARIOS[name].unavailable(store) is None
-    ] + [Plan(name, "memory", ("sampled",)) for name in names]
+    # The faulted plans run on one store only, memory where the scenario runs there: an injected
+    # fault is an exception at a point, the same on every store, and a survivor runs every plan
+    # that covers it.
+    available = {name: [s for s in STORES if registry.SCENARIOS[name].unavailable(s) is None] for name in names}
+    plans = [Plan(name, store) for name in names for store in available[name]]
+    plans += [Plan(name, available[name][0], ("sampled",)) for name in names if available[name]]
     files = sorted({m.path for m in mutations})
     stamp = source_stamp()
     baseline = measure_baseline(plans, files, budget, seed)

@@ -115,13 +115,15 @@ def _unlink(path: str) -> bool:
     return True
 
 
-def _check_ours(fd: int, key: str, kind: str) -> None:
-    """An opened name must be a regular file of this user with mode 0600."""
-    st = os.fstat(fd)
+def _check_ours(fd: int, key: str, kind: str) -> os.stat_result:
+    """An opened name must be a regular file of this user with mode 0600; its status."""
+    with _translated(f"look at the {kind} of", key):
+        st = os.fstat(fd)
     if not _ours(st):
         raise ForeignName(
             f"the {kind} of {key!r} is not ours (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): refused"
         )
+    return st
 
 
 def _ours(st: os.stat_result) -> bool:
@@ -392,8 +394,9 @@ class PosixStore:
                 if _ours(st) and st.st_nlink == 1:  # (two names: its consumer died handing it back)
                     sizes[name] = st.st_size
         name = choose_spare(sizes, size)
-        if name is None or not _names_file(self.segment_path(key), created):
-            return None
+        with _translated("reuse a spare for segment", key):
+            if name is None or not _names_file(self.segment_path(key), created):
+                return None
         # Only this process renames or removes a spare of its namespace, and no one replaces one:
         # the name opened here is the one renamed below.
         with _translated("reuse a spare for segment", key):
@@ -441,8 +444,7 @@ class PosixStore:
         if fd is None:
             return None
         try:
-            _check_ours(fd, key, "segment")
-            size = os.fstat(fd).st_size
+            size = _check_ours(fd, key, "segment").st_size
         except BaseException:
             os.close(fd)
             raise
@@ -546,8 +548,7 @@ class PosixStore:
         if fd is None:
             return None
         try:
-            _check_ours(fd, edge, "ring")
-            size = os.fstat(fd).st_size
+            size = _check_ours(fd, edge, "ring").st_size
             if size == 0:
                 raise ForeignName(f"ring {edge!r} has no bytes yet: its maker is still reserving them")
             return _PosixRing(fd, size, lambda: self.handles.opened(f"ring {edge}"))
