@@ -255,8 +255,9 @@ def full_store_clean(world: ObservedWorld) -> list[str]:
 @invariant(
     "answers-true",
     "what a connector answers is what it did: a put's result (its bytes and the key its metadata names, or no "
-    "bytes and the cause), a cleanup's whether it removed an unread chunk (a segment of ours, or a frame on one of "
-    "its rings being written or unread), cleanup_prefix's count of those, a wait's whether its wakeup generation moved",
+    "bytes and the cause), a cleanup's whether it removed an unread chunk (a segment of ours, or a frame on the "
+    "ring of an edge it put on, being written or unread), cleanup_prefix's count of those, a wait's whether its "
+    "wakeup generation moved; and the frames it reports unread on the rings are the ones there",
 )
 def answers_true(world: ObservedWorld) -> list[str]:
     return world.missed_cases("connector.answer", "{what}: answered {got}, did {want}")

@@ -6,9 +6,9 @@ chunk, ``cleanup_prefix``'s count of those, a wait's whether its stage's wakeup 
 moved. A slip in an answer leaves the store as it should be, so no check of the store sees it.
 Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
 from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
-between that point and its removal, on the kernel's one thread): whether the key has a segment of
-ours, or a frame on one of the connector's rings that is unread or being written. Only an answer
-that differs is noted (``connector.answer``), so a clean run's trace is what it was.
+between that point and its removal, on the kernel's one thread): whether the key has a segment
+of ours, or a frame on the ring of an edge the connector put on, unread or being written. Only an
+answer that differs is noted (``connector.answer``), so a clean run's trace is what it was.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import trio
 
 from invariants.dataplane import ring_unread_keys
 from runtime.connectors.base import PutResult
+from runtime.connectors.ring import edge_name
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
@@ -32,6 +33,8 @@ class _Cleanup:
 
     connector: ShmConnector
     key: str
+    #: The rings of the edges the connector put on.
+    rings: set[str]
     unread: bool | None = None
 
 
@@ -58,15 +61,17 @@ class Answers:
         """Check every answer ``connector`` gives from now on."""
         put, cleanup, cleanup_prefix = connector.put, connector.cleanup, connector.cleanup_prefix
         wait_for_change = connector.wait_for_change
+        sent_on: set[str] = set()
 
         async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
+            sent_on.add(edge_name(from_stage, to_stage))
             result = await put(from_stage, to_stage, put_key, data)
             _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
             return result
 
         async def answered_cleanup(key: str) -> bool:
             task = trio.lowlevel.current_task()
-            asked = self._cleaning[task] = _Cleanup(connector, key)
+            asked = self._cleaning[task] = _Cleanup(connector, key, sent_on)
             try:
                 removed = await cleanup(key)
             finally:
@@ -105,14 +110,13 @@ class Answers:
         """A cleanup is about to decide: what is there for it to remove."""
         asked = self._cleaning.get(trio.lowlevel.current_task())
         if asked is not None and asked.key == attrs["key"]:
-            asked.unread = self._unread(asked.connector, asked.key)
+            asked.unread = self._unread(asked)
 
-    def _unread(self, connector: ShmConnector, key: str) -> bool:
-        store = self._raw(connector.store)
+    def _unread(self, asked: _Cleanup) -> bool:
+        store, key = self._raw(asked.connector.store), asked.key
         if store.segment_exists(key) and not self._planted(store, f"seg-{key}"):
             return True
-        sent_on = f"edge_{connector.stage_id}_"
-        return any(key in ring_unread_keys(view) for edge, view in self._rings(store) if edge.startswith(sent_on))
+        return any(key in ring_unread_keys(view) for edge, view in self._rings(store) if edge in asked.rings)
 
 
 def _put_answer(result: PutResult, key: str) -> str:

@@ -237,6 +237,9 @@ async def hostile_keys_and_payloads(world: World) -> None:
             note_case(f"{name}, put and got back", seen, ROUND_TRIP)
 
 
+#: The edge the ring-filling connectors put on: none of the world's stages' (each edge has one
+#: producer, and the producer's ring is its own).
+FILL_EDGE = ("7", "8")
 #: Stage ids a connector is made with at upstream's API edge, which takes any: wakeups go to a
 #: non-negative int, and any other polls (by name: whether it has wakeups).
 STAGE_IDS: dict[str, tuple[object, bool]] = {
@@ -252,14 +255,16 @@ WAKEUP_WAIT_S = 0.05
     "wakeup_stage_ids",
     summary="connectors are made with stage ids upstream's API accepts, valid for wakeups or not (0; -1; a name): "
     "one of a non-negative stage has a wakeup generation and waits for a change; any other has none and answers "
-    "at once that nothing changed, without waiting",
+    "at once that nothing changed, without waiting; one without wakeups that fills its ring waits for room by "
+    "sleeping, then puts the rest in segments",
     issue="spec §2.6 (wakeups), upstream's connector API (any stage id at its edge)",
     invariants=HOSTILE_INVARIANTS,
 )
 async def wakeup_stage_ids(world: World) -> None:
     k = current_kernel()
     for name, (stage_id, wakes) in STAGE_IDS.items():
-        connector = ShmConnector(world.store, stage_id=stage_id, wakeups=world.wakeups)  # type: ignore[arg-type]
+        wakeups = world.wakeups
+        connector = ShmConnector(world.store, stage_id=stage_id, wakeups=wakeups, **world.transport())  # type: ignore[arg-type]
         world.watch_connector(connector)
         generation = connector.get_wakeup_generation()
         got = "a generation" if isinstance(generation, int) else repr(generation)
@@ -269,7 +274,27 @@ async def wakeup_stage_ids(world: World) -> None:
         got = f"{'waited' if k.now() > started else 'answered at once'}, {'a change' if changed else 'no change'}"
         want = "waited, no change" if wakes else "answered at once, no change"
         note_case(f"a wait for a wakeup of {name}", got, want)
+        if not wakes:
+            await fill_the_ring(world, connector, name)
         await connector.close()
+
+
+#: Puts that fill a simulated edge ring (16 KiB) and one more: each of about 3 KiB, nobody reads them.
+RING_FILLERS = 6
+
+
+async def fill_the_ring(world: World, connector: ShmConnector, name: str) -> None:
+    """Put more than the edge's ring holds, with nobody reading: the last puts wait for room,
+    with no wakeup to wait for (they sleep), then go to segments; then clean them up."""
+    keys = [f"fill_{i}_0" for i in range(RING_FILLERS)]
+    for i, key in enumerate(keys):
+        fired = len(world.fired_faults())
+        put_got, put = await outcome(lambda key=key, i=i: connector.put(*FILL_EDGE, key, {"x": np.full(380, i)}))  # type: ignore[misc]
+        if len(world.fired_faults()) == fired:
+            got = "ok" if put_got == "ok" and put.ok else f"{put_got} {put}"[:120]
+            note_case(f"put {i} of a ring-filling run by a connector of {name}", got, "ok")
+    for key in keys:
+        await connector.cleanup(key)
 
 
 #: Request ids an engine must refuse at submission.
