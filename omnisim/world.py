@@ -534,9 +534,10 @@ class World:
         }
         self.snapshots.append(Snapshot(label, stores, residue, health=health))
 
-    def _check_unread_frames_report(self) -> None:
+    def check_unread_frames_report(self) -> None:
         """What the runtime reports unread on each namespace's rings (a pipeline run's residue)
-        must be what the harness reads there (``answers-true``)."""
+        must be what the harness reads there (``answers-true``); done at quiescence, and where a
+        scenario leaves chunks unread on purpose."""
         for name, (store, _) in self.namespaces.items():
             reported = sorted(set(unread_frames(store)))
             seen = sorted({f"{edge}:{key}" for edge, view in ring_views(store) for key in ring_unread_keys(view)})
@@ -568,7 +569,7 @@ class World:
             if self.settle is not None:
                 await self.settle()
             self.ring_locks.check_idle([store for store, _ in self.namespaces.values()])
-            self._check_unread_frames_report()
+            self.check_unread_frames_report()
             self.snapshot("quiescence")
             self._check_wakeups_available()
             self._check_owner_records()

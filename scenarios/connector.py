@@ -108,9 +108,10 @@ UNREAD = {"U_1_0": 4, "U_1_1": 64, "U_1_2": 4}
 
 @edge_scenario(
     "closed_with_unread",
-    summary="the Talker's connector closes with chunks nobody took yet, on the ring and in segments: its close removes "
-    "every one (no segment, no lock file, no ring frame is left), a second close does nothing more, and a reader "
-    "that looks for them afterwards finds none",
+    summary="the Talker's connector closes with chunks nobody took yet, on the ring and in segments (which the "
+    "runtime reports unread on the ring as they are): its close removes every one (no segment, no lock file, no ring "
+    "frame is left), a second close does nothing more, the closed connector has no wakeups, and a reader that looks "
+    "for them afterwards finds none",
     issue="spec §2.7 (close removes every tracked key, unread ones included)",
     invariants=DATA_PLANE,
 )
@@ -120,8 +121,13 @@ async def closed_with_unread(world: World) -> None:
     for key, frames in UNREAD.items():
         with contextlib.suppress(InjectedCrash):
             await talker.put(*edge, key, {"codes": {"audio": codec_frames(frames)}})
+    world.check_unread_frames_report()
     await talker.close()
     await talker.close()
+    generation = talker.get_wakeup_generation()
+    if generation is not None:  # (a closed connector has no wakeups: answers-true)
+        what = "the wakeup generation of a closed connector"
+        current_kernel().note("connector.answer", what=what, got=str(generation), want="None")
     for key in UNREAD:
         with contextlib.suppress(CorruptChunk):  # (an injected decode failure: nothing handed out)
             taken = await code2wav.get(*edge, key)

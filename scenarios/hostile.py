@@ -255,16 +255,15 @@ WAKEUP_WAIT_S = 0.05
     "wakeup_stage_ids",
     summary="connectors are made with stage ids upstream's API accepts, valid for wakeups or not (0; -1; a name): "
     "one of a non-negative stage has a wakeup generation and waits for a change; any other has none and answers "
-    "at once that nothing changed, without waiting; one without wakeups that fills its ring waits for room by "
-    "sleeping, then puts the rest in segments",
+    "at once that nothing changed, without waiting; one made with no wakeups that fills its ring waits for room "
+    "by sleeping, then puts the rest in segments",
     issue="spec §2.6 (wakeups), upstream's connector API (any stage id at its edge)",
     invariants=HOSTILE_INVARIANTS,
 )
 async def wakeup_stage_ids(world: World) -> None:
     k = current_kernel()
     for name, (stage_id, wakes) in STAGE_IDS.items():
-        wakeups = world.wakeups
-        connector = ShmConnector(world.store, stage_id=stage_id, wakeups=wakeups, **world.transport())  # type: ignore[arg-type]
+        connector = ShmConnector(world.store, stage_id=stage_id, wakeups=world.wakeups)  # type: ignore[arg-type]
         world.watch_connector(connector)
         generation = connector.get_wakeup_generation()
         got = "a generation" if isinstance(generation, int) else repr(generation)
@@ -274,9 +273,12 @@ async def wakeup_stage_ids(world: World) -> None:
         got = f"{'waited' if k.now() > started else 'answered at once'}, {'a change' if changed else 'no change'}"
         want = "waited, no change" if wakes else "answered at once, no change"
         note_case(f"a wait for a wakeup of {name}", got, want)
-        if not wakes:
-            await fill_the_ring(world, connector, name)
         await connector.close()
+    # One made with no wakeups at all, as upstream's may be: it waits for room by sleeping.
+    alone = ShmConnector(world.store, stage_id=-1, **world.transport())
+    world.watch_connector(alone)
+    await fill_the_ring(world, alone, "stage -1 with no wakeups")
+    await alone.close()
 
 
 #: Puts that fill a simulated edge ring (16 KiB) and one more: each of about 3 KiB, nobody reads them.

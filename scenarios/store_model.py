@@ -289,12 +289,17 @@ def full_space(t: Twins) -> None:
 
 def exact_fit(t: Twins) -> None:
     """Segments that fill the room to the last page: beside a spare, which stays, and once the
-    spare gave way. The room: 16 pages, one of them the owner record's."""
+    spare gave way; then a spare that grows into the last pages beside another, which stays.
+    The room: 16 pages, one of them the owner record's."""
     for key, pages in (("a", 2), ("b", 4), ("c", 5), ("d", 2)):
         t.put(key, pages * PAGE)
     t.take("a")  # a spare of two pages; two pages free
     t.put("y", SPARE_MIN_BYTES - 1)  # too small to take the spare: the last two pages, the spare kept
     t.put("z", SPARE_MIN_BYTES - 1)  # the spare gives way: exactly its pages
+    t.take("b")
+    t.take("y")  # unkept (too small): two pages free, beside b's spare of four
+    t.take("d")  # a second spare, of two pages
+    t.put("w", 6 * PAGE)  # b's spare grows into the last two pages; d's stays
     t.sweep()
 
 
