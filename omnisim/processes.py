@@ -181,9 +181,9 @@ class ProcessStore:
             self.segments_opened.append(ring)
         return ring
 
-    def unlink_ring(self, edge: str) -> bool:
+    def unlink_ring(self, edge: str, *, only: RingMemory | None = None) -> bool:
         self.check()
-        return self.store.unlink_ring(edge)
+        return self.store.unlink_ring(edge, only=only)
 
     def rings(self) -> list[str]:
         return self.store.rings()

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 
 from omnisim.faults import InjectedCrash
+from omnisim.registry import Param, Params, scenario
 from omnisim.world import World
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.shm import ShmConnector
 from runtime.kernel import current_kernel
 from scenarios.crash import DATA_PLANE
-from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, codec_frames, edge_scenario
+from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, codec_frames, edge_scenario, edge_world
 
 KEY = "C_1_0"
 #: How often the reader looks for the key while the put and the cleanup race.
@@ -63,13 +64,22 @@ async def cleanup_during_put(world: World) -> None:
     await talker.cleanup(KEY)  # what a release does once the request is gone
 
 
-@edge_scenario(
+def replaced_world(store_kind: str, params: Params) -> World:
+    return edge_world(store_kind)
+
+
+@scenario(
     "producer_replaced",
+    build=replaced_world,
     summary="the Talker's connector closes while Code2Wav still has its ring mapped, and a new connector of the same "
-    "stage takes over the edge (as a stage rebuilt in its process does): Code2Wav lets go of the old ring and takes "
-    "the new connector's chunk, and nothing of either is left",
+    "stage takes over the edge (as a stage rebuilt in its process does), or the old one closes only once the new one "
+    "made its ring: Code2Wav lets go of the old ring and takes the new connector's chunks, the old close leaves the "
+    "successor's ring alone, and nothing of either is left",
     issue="spec §2.7 (close), issue 13 (a ring a successor may make under the same name)",
     invariants=DATA_PLANE,
+    params=(
+        Param("old_closes", ("first", "last"), "whether the old connector closes before the new one sends, or after"),
+    ),
 )
 async def producer_replaced(world: World) -> None:
     k = current_kernel()
@@ -90,13 +100,22 @@ async def producer_replaced(world: World) -> None:
         world.probe("liveness", len(world.fired_faults()) > fired, f"Code2Wav never took {key}")
 
     await put_and_take(old, "P_1_0")
-    await old.close()
+    first = world.params["old_closes"] == "first"
+    if first:
+        await old.close()
     new = ShmConnector(
         old.store, stage_id=TALKER, wakeups=world.wakeups_of(world.stages[TALKER].process), **world.transport()
     )
     world.watch_connector(new)
     try:
         await put_and_take(new, "P_2_0")
+        if not first:
+            rings = old.store.rings()
+            await old.close()
+            # (an old cleanup must not remove a new one's: here the successor's ring)
+            kept = old.store.rings() == rings
+            world.probe("exact-key-ownership", kept, f"the old connector's close removed the ring of {rings}")
+            await put_and_take(new, "P_2_1")
     finally:
         await new.close()
 

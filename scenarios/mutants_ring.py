@@ -14,8 +14,10 @@ from typing import Any
 from omnisim.registry import Patch, mutant
 from runtime.connectors import ring as rings
 from runtime.connectors import shm as shm_module
+from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import FRAME, PAD, Frame, Ring
 from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import MemoryStore
 from runtime.connectors.wire import BufferIO
 from runtime.kernel import current_kernel
 
@@ -224,3 +226,20 @@ class _NoLock:
 )
 def ring_sections_unlocked() -> Iterator[Patch]:
     yield Patch(shm_module, "locked", _NoLock)
+
+
+_unlink_mem_ring, _unlink_posix_ring = MemoryStore.unlink_ring, PosixStore.unlink_ring
+
+
+@mutant(
+    "old_close_removes_successor_ring",
+    summary="a producer's close removes whatever ring has its edge's name, a successor's that replaced its own "
+    "included: the new producer's chunks go into a ring no new reader can find",
+    issue="omnisim issue 13 (a ring a successor may make under the same name), found while reading this stop",
+    scenarios=("producer_replaced",),
+    expect=("exact-key-ownership",),
+    store="ring",
+)
+def old_close_removes_successor_ring() -> Iterator[Patch]:
+    yield Patch(MemoryStore, "unlink_ring", lambda self, edge, only=None: _unlink_mem_ring(self, edge))
+    yield Patch(PosixStore, "unlink_ring", lambda self, edge, only=None: _unlink_posix_ring(self, edge))

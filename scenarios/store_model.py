@@ -259,7 +259,8 @@ def locks_and_rings(t: Twins) -> None:
     t.do("open ring r as r4", lambda s: s.keep("r4", s.store.open_ring("r")))
     t.do("r4's bytes", lambda s: len(s.handles["r4"].view))
     t.do("r4 locks, r1 holding the old ring's", lambda s: s.handles["r4"].try_lock())
-    t.do("unlink ring r", lambda s: s.store.unlink_ring("r"))
+    t.do("unlink ring r, only if it is r1's", lambda s: s.store.unlink_ring("r", only=s.handles["r1"]))
+    t.do("unlink ring r, only if it is r4's", lambda s: s.store.unlink_ring("r", only=s.handles["r4"]))
     t.do("unlink ring r again", lambda s: s.store.unlink_ring("r"))
     for name in ("r1", "r1", "r3", "r4"):
         t.close(name)

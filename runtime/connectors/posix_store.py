@@ -46,6 +46,7 @@ from runtime.connectors.stores import (
     SPARES_KEPT,
     ForeignName,
     OpenHandles,
+    RingMemory,
     StoreError,
     StoreFull,
     choose_spare,
@@ -559,9 +560,12 @@ class PosixStore:
             os.close(fd)
             raise
 
-    def unlink_ring(self, edge: str) -> bool:
+    def unlink_ring(self, edge: str, *, only: RingMemory | None = None) -> bool:
+        path = self._ring_path(edge)
         with _translated("remove ring", edge):
-            return _unlink(self._ring_path(edge))
+            if only is not None and (not isinstance(only, _PosixRing) or not _names_file(path, only._fd)):
+                return False
+            return _unlink(path)
 
     def rings(self) -> list[str]:
         return self._listed(self._ring_prefix)

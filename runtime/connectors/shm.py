@@ -702,11 +702,12 @@ class ShmConnector:
                 log.warning("could not remove the spare segment %s: %s", name, e)
         for edge, ring in self._send_rings.items():
             ring.retire()  # a reader still mapping it lets go (a successor may make one of that name)
-            ring.close()
             try:
-                self.store.unlink_ring(edge)
+                # (only while the name is still this ring's: a successor's of that name stays)
+                self.store.unlink_ring(edge, only=ring.memory)
             except StoreError as e:
                 log.warning("could not remove the ring %s: %s", edge, e)
+            ring.close()
         for _, ring in self._receive_rings.values():
             ring.close()
         self._send_rings.clear()

@@ -167,7 +167,10 @@ class Store(Protocol):
         """The existing ring ``edge``; None if there is none."""
         ...
 
-    def unlink_ring(self, edge: str) -> bool: ...
+    def unlink_ring(self, edge: str, *, only: RingMemory | None = None) -> bool:
+        """Remove the ring ``edge``'s name; with ``only``, only while the name is that open ring's
+        (a successor's ring of the same name stays). True only if this call removed it."""
+        ...
 
     def rings(self) -> list[str]: ...
 
@@ -519,7 +522,9 @@ class MemoryStore:
         inode = self._rings.get(edge)
         return None if inode is None else _MemRing(inode, self._opened(f"ring {edge}", inode))
 
-    def unlink_ring(self, edge: str) -> bool:
+    def unlink_ring(self, edge: str, *, only: RingMemory | None = None) -> bool:
+        if only is not None and (not isinstance(only, _MemRing) or self._rings.get(edge) is not only._inode):
+            return False
         return self._rings.pop(edge, None) is not None
 
     def rings(self) -> list[str]:
