@@ -7,7 +7,7 @@ put takes, what a lock or a ring's lock grants to a second handle, how much room
 model drifts from the real store, every schedule explored on it checks a system that does not
 exist. So here the two run the same script of store calls side by side, each in the same room (the
 real one in a private tmpfs of that size and inode count, the model counting the same pages and
-names): the world's store and a twin of the other kind.
+names). Both are fresh stores of the scenario's own, whatever store the world runs on.
 
 The scripts walk what the connector does with a store — segments made, reserved, written, read,
 replaced, retired into spares and taken again; lock files and rings opened twice and locked against
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from omnisim import tmpfs
+from omnisim import devshm, tmpfs
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
 from omnisim.sim_kernel import MAIN_PROCESS
 from omnisim.world import Room, World, make_store
@@ -343,7 +343,7 @@ SCRIPTS: dict[str, tuple[Callable[[Twins], None], Room]] = {
 
 
 def model_world(store_kind: str, params: Params) -> World:
-    return World(store_kind, room=SCRIPTS[params["script"]][1])
+    return World(store_kind)
 
 
 def unavailable(store: str) -> str | None:
@@ -351,15 +351,13 @@ def unavailable(store: str) -> str | None:
     return tmpfs.why_unavailable()
 
 
-def twins(world: World) -> Twins:
-    """The world's store and a fresh one of the other kind in the same room: (model, real)."""
-    assert world.room is not None
-    if isinstance(world.store, MemoryStore):
-        real = make_store("posix", spare_min_bytes=world.room.spare_min_bytes, directory=world.private_shm_dir())
-        return Twins(world.store, real)
-    owner = world.owners[MAIN_PROCESS]
-    model = make_store("memory", owner, spare_min_bytes=world.room.spare_min_bytes, room=world.room)
-    return Twins(model, world.store)
+def twins(world: World, room: Room) -> Twins:
+    """Two fresh stores of ``room``: (model, real), the real one in a private tmpfs of its own.
+    (Not the world's: the scripts sweep their stores, owner records and all.)"""
+    directory = devshm.mounted(tmpfs.mount(room.bytes, room.names + 2))
+    real = make_store("posix", spare_min_bytes=room.spare_min_bytes, directory=directory)
+    model = make_store("memory", world.owners[MAIN_PROCESS], spare_min_bytes=room.spare_min_bytes, room=room)
+    return Twins(model, real)
 
 
 @scenario(
@@ -376,4 +374,5 @@ def twins(world: World) -> Twins:
     unavailable=unavailable,
 )
 async def store_model_agrees(world: World) -> None:
-    SCRIPTS[world.params["script"]][0](twins(world))
+    script, room = SCRIPTS[world.params["script"]]
+    script(twins(world, room))

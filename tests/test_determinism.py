@@ -57,6 +57,7 @@ print(json.dumps({
     for name in sorted(registry.SCENARIOS)
     for seed in range(3)
     for store in STORES
+    if registry.SCENARIOS[name].unavailable(store) is None
     for strategy in ("random", "pct")
 }))
 """
