@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import textwrap
@@ -60,6 +61,7 @@ STRATEGIES = ("random", "pct", "ordered", "hypothesis", "dfs")
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_NOT_REPRODUCED, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+EXIT_SIGPIPE = 141  # as a shell reports a command killed by SIGPIPE (`omnisim mutate --list | head`)
 
 
 # == arguments ====================================================================================
@@ -1321,6 +1323,18 @@ def _interrupted(signals: _Signals) -> int:
     return EXIT_SIGTERM if terminated else EXIT_SIGINT
 
 
+def _reader_gone() -> bool:
+    """Whether the reader of our stdout has closed it (a broken pipe of our own output, not of
+    a channel to a stage process, which is a failure like any other)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, verbose = _take_verbose(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
@@ -1336,7 +1350,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 registry.load(args.plugin)
             handler: Callable[[argparse.Namespace], int] = args.func
-            return handler(args)
+            status = handler(args)
+            # Inside the try, so that a reader who stopped reading is noticed here and not in
+            # the interpreter's last flush, which can only print a traceback.
+            sys.stdout.flush()
+            return status
         except UsageError as e:
             print(f"omnisim: error: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -1346,6 +1364,10 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as e:
             if is_interrupt(e):
                 return _interrupted(signals)
+            if isinstance(e, BrokenPipeError) and _reader_gone():
+                # Nothing more can reach the reader; stdout points at nothing so the exit is quiet.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return EXIT_SIGPIPE
             if not isinstance(e, Exception):
                 raise
             if verbose:

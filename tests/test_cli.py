@@ -411,6 +411,22 @@ def test_module_entry_exit_status_for_usage_error() -> None:
     assert "omnisim: error: unknown scenario 'no_such_scenario'" in proc.stderr
 
 
+def test_a_reader_that_stops_reading_ends_the_command_quietly() -> None:
+    """`omnisim … | head` is not a failure of omnisim: the exit status a shell gives a command
+    killed by SIGPIPE, and nothing on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnisim.cli", "mutate", "runtime/connectors/keys.py", "--list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO_ROOT,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes: its first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 def test_hypothesis_shrinks_a_failing_schedule_and_it_replays(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
