@@ -1103,18 +1103,29 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(mutations), unit="mutant", disable=not live, file=sys.stderr, dynamic_ncols=True)
     counts: dict[str, int] = {}
 
+    def say(line: str) -> None:
+        if args.json:
+            return
+        if live:
+            bar.write(line)  # above the bar, which stays
+        else:
+            print(line, flush=True)
+
     def on_outcome(o: Any) -> None:
         counts[o.outcome] = counts.get(o.outcome, 0) + 1
         bar.update(1)
         bar.set_postfix_str(", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        if o.outcome == "survived" and not args.json:
-            bar.write(f"survived {o.id} {o.module}:{o.line} {o.where}: {o.description}")
+        if o.outcome == "survived":
+            say(f"survived {o.id} {o.module}:{o.line} {o.where}: {o.description}")
+        elif not live:
+            # Where no bar moves (a CI log), a line per mutant shows an hour-long campaign moving.
+            done = f"[{sum(counts.values())}/{len(mutations)}]"
+            say(f"{done} {o.outcome} {o.id} {o.module}:{o.line} {o.where}" + (f" ({o.detail})" if o.detail else ""))
 
     def on_baseline(baseline: Any) -> None:
-        if not args.json:
-            for plan, failed in baseline.failing.items():
-                bar.write(f"left out {plan}: it fails on the clean runtime ({', '.join(failed)})")
-            bar.write(f"baseline: {len(baseline.lines)} plans pass on the clean runtime")
+        for plan, failed in baseline.failing.items():
+            say(f"left out {plan}: it fails on the clean runtime ({', '.join(failed)})")
+        say(f"baseline: {len(baseline.lines)} plans pass on the clean runtime")
 
     try:
         report = mutation.mutate(
