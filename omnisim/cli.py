@@ -414,7 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--seed", type=int, default=0, help="the first schedule's seed (default: %(default)s)")
     sp.add_argument(
-        "--time-limit", type=positive_float, default=120.0, help="seconds per mutant (default: %(default)s)"
+        "--time-limit",
+        type=positive_float,
+        default=120.0,
+        help="seconds a mutant may run beyond twice its plans' time on the clean runtime before it counts as a "
+        "hang (default: %(default)s)",
     )
     sp.add_argument("--operator", action="append", help="only these operators (repeatable; `--list` shows them)")
     sp.add_argument("--scenario", action="append", help="only these scenarios (repeatable; default: all)")

@@ -22,6 +22,7 @@ from omnisim.mutation.campaign import (
     run_plan,
     source_stamp,
     strategies,
+    time_allowed,
 )
 from omnisim.mutation.operators import OPERATORS, find_mutations
 
@@ -183,6 +184,16 @@ def test_a_campaign_stops_when_the_code_changes_under_it() -> None:
         run_mutants(
             [m], Baseline(), budget=1, seed=0, jobs=1, time_limit=10, plugins=[], on_outcome=print, stamp=edited
         )
+
+
+def test_a_mutant_that_runs_many_plans_is_not_called_a_hang() -> None:
+    # A survivor runs every plan that covers its line: with one limit for every mutant, a survivor
+    # of 200 plans ran past it, counted as a timeout, and so as detected.
+    plans = [Plan(f"scenario_{i}", "memory") for i in range(200)]
+    baseline = Baseline(seconds={p: 1.5 for p in plans})
+    assert time_allowed(plans, baseline, 120.0) > sum(baseline.seconds.values()) + 120.0
+    assert time_allowed(plans[:1], baseline, 120.0) == pytest.approx(123.0)
+    assert time_allowed([], baseline, 120.0) == 120.0
 
 
 def test_a_plan_runs_every_configuration_and_the_declared_orderings() -> None:

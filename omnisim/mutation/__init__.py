@@ -111,7 +111,8 @@ def mutate(
     """Run ``mutations`` against every scenario (or ``scenarios``) on every store, and with
     sampled faults on the memory store, ``budget`` random and ``budget // 2`` PCT schedules per
     plan (and ``budget // 2`` that follow a scenario's declared orderings, where it has some);
-    ``time_limit``: seconds per mutant."""
+    ``time_limit``: seconds a mutant may run beyond twice its plans' time on the clean runtime
+    (see :func:`~omnisim.mutation.campaign.time_allowed`)."""
     import time
 
     from omnisim import registry

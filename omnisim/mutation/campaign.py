@@ -12,10 +12,12 @@
    is the mutation's doing.
 3. **Outcomes.** ``killed`` (an invariant failed), ``crashed`` (the mutated runtime broke the run
    before an invariant could be checked, for instance at import), ``timeout`` (the child ran past
-   its time: a hang the harness did not bound), ``survived`` (every covering plan passed, or no
-   plan executes the line at all) and ``equivalent`` (a survivor reviewed as unable to change
-   behaviour, listed with its reason in ``equivalents.toml``). The score counts killed, crashed
-   and timeout as detected (as Stryker does), over everything but the equivalents.
+   its time: a hang the harness did not bound; the time is :func:`time_allowed`, which grows with
+   the plans a mutant runs, so that no mutant is judged a hang for running many plans),
+   ``survived`` (every covering plan passed, or no plan executes the line at all) and
+   ``equivalent`` (a survivor reviewed as unable to change behaviour, listed with its reason in
+   ``equivalents.toml``). The score counts killed, crashed and timeout as detected (as Stryker
+   does), over everything but the equivalents.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from omnisim.mutation.operators import Mutation
 _RELOADED = ("runtime", "omnisim", "scenarios", "invariants")
 EQUIVALENTS = Path(__file__).with_name("equivalents.toml")
 DETECTED = ("killed", "crashed", "timeout")
+#: How many times its plans' time on the clean runtime (under coverage, so already generous) a
+#: mutant may take on top of the campaign's time limit before it counts as a hang.
+SLOWDOWN_ALLOWED = 2.0
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,16 @@ class _Running:
     conn: Connection
     started: float
     covering: int
+    #: Seconds it may run (see :func:`time_allowed`).
+    allowed: float
+
+
+def time_allowed(plans: Sequence[Plan], baseline: Baseline, time_limit: float) -> float:
+    """How long a mutant may run before it counts as a hang: ``time_limit`` beyond
+    :data:`SLOWDOWN_ALLOWED` times what its plans took on the clean runtime. A mutant that passes
+    every plan runs them all, so a limit that ignored how many there are would call a survivor of
+    200 plans a timeout, and count it as detected."""
+    return time_limit + SLOWDOWN_ALLOWED * sum(baseline.seconds[p] for p in plans)
 
 
 def run_mutants(
@@ -277,11 +292,12 @@ def run_mutants(
                 process = context.Process(target=_child, args=(m, plans, budget, seed, plugins, child_end), daemon=True)
                 process.start()
                 child_end.close()
-                running.append(_Running(m, process, parent_end, time.perf_counter(), len(plans)))
+                allowed = time_allowed(plans, baseline, time_limit)
+                running.append(_Running(m, process, parent_end, time.perf_counter(), len(plans), allowed))
             ready = wait([r.process.sentinel for r in running], timeout=0.5)
             now = time.perf_counter()
             for r in list(running):
-                late = now - r.started > time_limit
+                late = now - r.started > r.allowed
                 if r.process.sentinel not in ready and not late:
                     continue
                 running.remove(r)
