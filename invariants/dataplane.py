@@ -112,6 +112,8 @@ def foreign_names_untouched(world: ObservedWorld) -> list[str]:
 
 #: What may make a put or a get fail: something the world did to the data plane.
 CAUSES = ("fault", "process.killed", "process.paused", "kernel.killed", "world.owner_died", "stage.died")
+#: How a scenario names a fault it makes itself (``fault`` alone is the fault plan's).
+FAULT_OF_A_SCENARIO = "fault."
 #: A put or a get that failed: a storage or encoding error, a corrupt chunk, a chunk that never comes.
 FAILURES = ("shm.put.failed", "shm.get.corrupt", "adapter.receive_failed")
 
@@ -124,7 +126,7 @@ FAILURES = ("shm.put.failed", "shm.get.corrupt", "adapter.receive_failed")
 def failures_have_causes(world: ObservedWorld) -> list[str]:
     out = []
     for ev in world.trace:
-        if ev.name in CAUSES:
+        if ev.name in CAUSES or ev.name.startswith(FAULT_OF_A_SCENARIO):
             return out  # from here on a failure may be what that caused
         if ev.name in FAILURES:
             what = ", ".join(f"{k}={v}" for k, v in sorted(ev.attrs.items()))

@@ -127,5 +127,6 @@ POINTS: dict[str, tuple[str, str]] = {
         "a task's wait on a signal ended by its timeout, not by a notify [on; missed: what it waited for was there]",
     ),
     "kernel.crash": ("note", "a task died with an exception [error]"),
-    "fault": ("note", "an injected fault fired [kind, at, key where its point has one]"),
+    "fault": ("note", "an injected fault of the fault plan fired [kind, at, key where its point has one]"),
+    "fault.os": ("note", "a system call of the store failed as the os_errors scenario made it [at, errno]"),
 }

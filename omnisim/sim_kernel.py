@@ -582,6 +582,9 @@ class SimKernel:
                     await self._yield(me)  # never returns: the process is gone
 
     def note(self, name: str, /, **attrs: Attr) -> None:
+        if name == "fault":
+            # The fault plan's own event: a shrinker replays each one as a fault of the plan.
+            raise ValueError('"fault" is the fault plan\'s event; note a fault a scenario makes as "fault.<kind>"')
         running = _running.get(None)
         if running is None or running.state != KILLED:
             self._emit_watched(self._me(), name, attrs)

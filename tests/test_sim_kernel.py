@@ -126,6 +126,20 @@ def busy_world() -> Job:
     return spawn(*[(f"w{j}", worker(f"w{j}", 6 + j)) for j in range(3)])
 
 
+def test_a_fault_of_a_scenario_has_a_name_of_its_own() -> None:
+    # "fault" events are the fault plan's, each replayed by the shrinker as a fault of the plan: a
+    # scenario's own "fault" note among them made the shrinker's count disagree with the plan's.
+    async def main() -> None:
+        current_kernel().note("fault.os", at="unlink", errno="EIO")
+        current_kernel().note("fault", kind="os_error")
+
+    out = sim(0).run(main)
+    assert ("main", "fault.os", {"at": "unlink", "errno": "EIO"}) in events(out)
+    assert events(out, "fault") == []
+    ((_, tb),) = out.crashes
+    assert '"fault" is the fault plan' in tb
+
+
 def test_same_seed_same_trace_and_choices() -> None:
     a = sim(7).run(busy_world())
     b = sim(7).run(busy_world())

@@ -52,7 +52,7 @@ def lanes(events: list[Event]) -> list[str]:
 
 
 def _colour(name: str) -> str:
-    if name in ("fault", "kernel.crash", "probe.failed") or name.endswith(".failed"):
+    if name in ("fault", "kernel.crash", "probe.failed") or name.startswith("fault.") or name.endswith(".failed"):
         return "#d62728"
     if name in _STOPS:
         return "#7f7f7f"
