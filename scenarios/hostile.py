@@ -81,7 +81,7 @@ NAMESPACE_CASES: dict[str, tuple[str | None, str]] = {
     "the longest namespace": ("a0" * 12, "ok"),
     "a namespace one character too long": ("a" * 25, "ValueError: 1-24 characters of [a-z0-9]"),
     "a namespace with a capital and a '!'": ("Bad!", "ValueError: 1-24 characters of [a-z0-9]"),
-    "an empty namespace": ("", "ok"),  # (as none: a fresh one)
+    "an empty namespace": ("", "ok"),  # (as none: a fresh one, this process's)
 }
 
 #: How a get names the key ``K`` that was put: by its own key next to metadata (what the put
@@ -154,14 +154,20 @@ def ring_settings_outcome(settings: dict[str, float], want: str) -> str:
 
 
 def namespace_outcome(namespace: str | None, want: str) -> str:
-    """``ok`` if a store made with ``namespace`` (recording no owner) has a namespace of the
-    rule's, or the refusal and whether its message says what ``want`` quotes."""
+    """``ok`` if a store made with ``namespace`` has a namespace of the rule's, and records this
+    process as its owner exactly when it made a fresh one (a named one is another process's);
+    else the refusal and whether its message says what ``want`` quotes."""
     try:
-        made = PosixStore(namespace, claim=False).namespace
+        store = PosixStore(namespace)
     except ValueError as e:
         quoted = want.split(": ", 1)[-1]
         return want if quoted in str(e) else f"ValueError: {e}"
-    return "ok" if NAMESPACE_PATTERN.fullmatch(made) and made == (namespace or made) else f"namespace {made!r}"
+    made, claimed = store.namespace, store.owner() is not None
+    if claimed:
+        store.sweep()
+    if not NAMESPACE_PATTERN.fullmatch(made) or made != (namespace or made):
+        return f"namespace {made!r}"
+    return "ok" if claimed == (not namespace) else f"{'an' if claimed else 'no'} owner record"
 
 
 async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:

@@ -328,7 +328,7 @@ class PosixStore:
         spare_min_bytes: int = SPARE_MIN_BYTES,
         directory: str = SHM_DIR,
     ) -> None:
-        claim = namespace is None if claim is None else claim
+        claim = not namespace if claim is None else claim  # (an empty one is none: a fresh one, ours)
         namespace = namespace or new_namespace()
         if not NAMESPACE_PATTERN.fullmatch(namespace):
             raise ValueError(f"namespace {namespace!r} must be 1-24 characters of [a-z0-9]")
