@@ -8,7 +8,8 @@ the boundary — the longest key, every allowed character, every dtype, empty an
 tensors, strided views, tuple dict keys, the extreme integers — goes through unchanged. A
 connector's ring settings are input too: a ring too small, not in whole 64-byte lines, or with
 frames of no size or of more than half of it is refused with an error that names the rule; and so
-is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one).
+is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one, this process's).
+A bad key is refused by a put, a get and a cleanup alike.
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
 which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
@@ -203,6 +204,8 @@ async def hostile_keys_and_payloads(world: World) -> None:
         note_case(f"a put under the key {shown(key)}", got, "InvalidKeyError")
         got, _ = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
         note_case(f"a get under the key {shown(key)}", got, "InvalidKeyError")
+        got, _ = await outcome(lambda key=key: sender.cleanup(key))  # type: ignore[misc]
+        note_case(f"a cleanup of the key {shown(key)}", got, "InvalidKeyError")
 
     for i, (name, payload) in enumerate(BAD_PAYLOADS.items()):
         key = f"bad_{i}_0"
