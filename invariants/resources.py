@@ -110,7 +110,7 @@ def no_tombstones(world: ObservedWorld) -> list[str]:
 @invariant(
     "health-counts-true",
     "a stage's health report (its connector's counters) counts what the connector did: every put that succeeded, "
-    "the bytes of each, every get that took a chunk",
+    "the bytes of each, every get that took a chunk, every put that gave up on a full ring",
 )
 def health_counts_true(world: ObservedWorld) -> list[str]:
     return [

@@ -557,8 +557,8 @@ class World:
         assert isinstance(k, SimKernel)
         k.fault_action = self.apply_fault
         k.watch("shm.cleanup.begin", self.answers.at_cleanup_begin)
+        k.watch("ring.full", self._at_ring_full)
         if self.store_kind == "ring":
-            k.watch("ring.full", self._check_ring_full)
             k.watch("ring.room_wait_timed_out", self._check_room_wait)
         async with k.task_group() as tasks:
             for name, (run, _, process) in self.services.items():
@@ -624,8 +624,15 @@ class World:
             ring_max_payload=ring_max_payload(SIM_RING_BYTES) if self.store_kind == "ring" else None,
         )
 
+    def _at_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """A put gave up on its edge's ring as full: its connector counts a fallback, and (on the
+        ring store, whose rings the harness reads) the ring must really have had no room."""
+        sender = int(str(attrs["edge"]).split("_")[1])  # (edge_<from>_<to>)
+        self._counted[sender]["ring_fallbacks"] += 1
+        if self.store_kind == "ring":
+            self._check_ring_full(task, attrs)
+
     def _check_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
-        """A put gave up on its edge's ring as full: it must really have had no room."""
         if attrs["held"]:
             return  # a reader held the ring's lock throughout: room or not, the put could not look
         for free, needed in self._ring_room(task, attrs):
@@ -680,8 +687,9 @@ def ring_views(store: Store) -> Iterator[tuple[str, memoryview]]:
 
 def count_transfers(connector: ShmConnector) -> dict[str, int]:
     """Count, from outside, what ``connector`` reports in its health: the puts that succeeded and
-    their bytes, the gets that took a chunk. The counts, kept up to date."""
-    counted = {"puts": 0, "bytes_transferred": 0, "gets": 0}
+    their bytes, the gets that took a chunk (and, counted by :meth:`World._at_ring_full`, the puts
+    that gave up on a full ring). The counts, kept up to date."""
+    counted = {"puts": 0, "bytes_transferred": 0, "gets": 0, "ring_fallbacks": 0}
     put, get = connector.put, connector.get
 
     async def counted_put(*args: Any, **kwargs: Any) -> PutResult:
