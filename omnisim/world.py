@@ -627,7 +627,7 @@ class World:
     def _at_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
         """A put gave up on its edge's ring as full: its connector counts a fallback, and (on the
         ring store, whose rings the harness reads) the ring must really have had no room."""
-        sender = int(str(attrs["edge"]).split("_")[1])  # (edge_<from>_<to>)
+        sender = int(str(attrs["edge"]).split("_")[1])  # (rings.edge_name: edge_<from>_<to>)
         self._counted[sender]["ring_fallbacks"] += 1
         if self.store_kind == "ring":
             self._check_ring_full(task, attrs)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from invariants.dataplane import FAULT_OF_A_SCENARIO
+
 #: A task that emitted one of these stopped by itself: switching away from it is no preemption.
 _STOPS = ("kernel.block", "kernel.wait", "kernel.crash", "kernel.killed", "process.killed", "process.paused")
 
@@ -52,7 +54,11 @@ def lanes(events: list[Event]) -> list[str]:
 
 
 def _colour(name: str) -> str:
-    if name in ("fault", "kernel.crash", "probe.failed") or name.startswith("fault.") or name.endswith(".failed"):
+    if (
+        name in ("fault", "kernel.crash", "probe.failed")
+        or name.startswith(FAULT_OF_A_SCENARIO)
+        or name.endswith(".failed")
+    ):
         return "#d62728"
     if name in _STOPS:
         return "#7f7f7f"
