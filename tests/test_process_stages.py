@@ -180,10 +180,16 @@ def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean(settle_s:
 def test_a_short_soak_with_kills_is_clean() -> None:
     from omnisim.soak import clean, soak
 
-    report = soak(300, 6, processes=True, kill_every=2.5, seed=3)
+    requests, concurrency = 300, 6
+    report = soak(requests, concurrency, processes=True, kill_every=2.5, seed=3)
     assert report.kills >= 3, report.as_dict()
     assert clean(report), report.as_dict()
-    assert report.outcomes["finished"] >= 200, report.as_dict()
+    # Kills come by the clock, so a slow machine sees more of them; what must hold at any speed is
+    # that a kill fails only requests in flight when it struck: at most one per client.
+    failed = report.outcomes["failed: its stage died"] + report.outcomes["failed: a stage was restarting"]
+    assert failed <= report.kills * concurrency, report.as_dict()
+    assert report.outcomes["finished"] + report.outcomes["left"] + failed == requests, report.as_dict()
+    assert report.outcomes["finished"] > 0, report.as_dict()
     assert sum(report.restarts.values()) >= 3
     assert max(report.noticed_s) < 1.0, report.noticed_s
 
