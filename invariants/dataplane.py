@@ -222,12 +222,14 @@ def ring_before_segments(world: ObservedWorld) -> list[str]:
         return []
     out = []
     excused: dict[str, bool] = {}  # task -> its put in flight may take a segment
+    putting: dict[str, str] = {}  # task -> the key of its last put
     in_segment: set[str] = set()  # keys some put placed in a segment, not cleaned up since
     via: dict[str, str] = {}  # task -> where its put in flight goes
     for ev in world.trace:
         key = str(ev.attrs.get("key", ""))
         if ev.name == "shm.put.begin":
             excused[ev.task] = key in in_segment
+            putting[ev.task] = key
         elif ev.name in ("ring.full", "ring.unavailable"):
             excused[ev.task] = True
         elif ev.name == "shm.put.created":
@@ -240,6 +242,8 @@ def ring_before_segments(world: ObservedWorld) -> list[str]:
                     f"{ev.task} put {key} ({nbytes} bytes; the ring carries up to {world.ring_max_payload}) in a "
                     "segment, though the ring was neither full nor held and the key had no unread segment"
                 )
+            # (a put of the same key still deciding, in another task, now finds it in a segment)
+            excused.update({task: True for task, k in putting.items() if k == key and task != ev.task})
         elif ev.name == "shm.cleanup.begin":
             in_segment.discard(key)
     return out

@@ -110,7 +110,8 @@ def no_tombstones(world: ObservedWorld) -> list[str]:
 @invariant(
     "health-counts-true",
     "a stage's health report (its connector's counters) counts what the connector did: every put that succeeded, "
-    "the bytes of each, every get that took a chunk, every put that gave up on a full ring",
+    "the bytes of each, those of them that went on a ring, every get that took a chunk, every put that gave up on "
+    "a full ring",
 )
 def health_counts_true(world: ObservedWorld) -> list[str]:
     return [

@@ -146,6 +146,8 @@ class World:
         self._descriptors_at_start = devshm.descriptors() if isinstance(self.store, PosixStore) else None
         #: What each stage's connector did, counted from outside (see :func:`count_transfers`).
         self._counted: dict[int, dict[str, int]] = {}
+        #: Task -> what was seen of its put in flight, on a counted connector.
+        self._puts_seen: dict[str, PutSeen] = {}
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
         self._offered: dict[str, set[Hashable]] = {}
         #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
@@ -218,7 +220,7 @@ class World:
         adapter = ChunkTransferAdapter(
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
-        self._counted[stage_id] = count_transfers(connector)
+        self._counted[stage_id] = count_transfers(connector, self._puts_seen)
         self.watch_connector(connector)
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
@@ -558,6 +560,7 @@ class World:
         k.fault_action = self.apply_fault
         k.watch("shm.cleanup.begin", self.answers.at_cleanup_begin)
         k.watch("ring.full", self._at_ring_full)
+        k.watch("shm.put.created", self._at_put_created)
         if self.store_kind == "ring":
             k.watch("ring.room_wait_timed_out", self._check_room_wait)
         async with k.task_group() as tasks:
@@ -624,11 +627,16 @@ class World:
             ring_max_payload=ring_max_payload(SIM_RING_BYTES) if self.store_kind == "ring" else None,
         )
 
+    def _at_put_created(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """A put chose where its payload goes: its connector counts a ring put if it succeeds."""
+        if task.name in self._puts_seen:
+            self._puts_seen[task.name].via = str(attrs["via"])
+
     def _at_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
         """A put gave up on its edge's ring as full: its connector counts a fallback, and (on the
         ring store, whose rings the harness reads) the ring must really have had no room."""
-        sender = int(str(attrs["edge"]).split("_")[1])  # (rings.edge_name: edge_<from>_<to>)
-        self._counted[sender]["ring_fallbacks"] += 1
+        if task.name in self._puts_seen:
+            self._puts_seen[task.name].ring_fallbacks += 1
         if self.store_kind == "ring":
             self._check_ring_full(task, attrs)
 
@@ -685,18 +693,37 @@ def ring_views(store: Store) -> Iterator[tuple[str, memoryview]]:
                 memory.close()
 
 
-def count_transfers(connector: ShmConnector) -> dict[str, int]:
-    """Count, from outside, what ``connector`` reports in its health: the puts that succeeded and
-    their bytes, the gets that took a chunk (and, counted by :meth:`World._at_ring_full`, the puts
-    that gave up on a full ring). The counts, kept up to date."""
-    counted = {"puts": 0, "bytes_transferred": 0, "gets": 0, "ring_fallbacks": 0}
+@dataclass
+class PutSeen:
+    """What the world saw of one put in flight: where it placed its payload, and how often it
+    gave up on a full ring."""
+
+    via: str | None = None
+    ring_fallbacks: int = 0
+
+
+def count_transfers(connector: ShmConnector, seen: dict[str, PutSeen]) -> dict[str, int]:
+    """Count, from outside, what ``connector`` reports in its health: the puts that succeeded,
+    their bytes and how many of them went on a ring, the puts that gave up on a full ring, the
+    gets that took a chunk (``seen``: what the world saw of each task's put in flight, see
+    :meth:`World._at_put_created`). The counts, kept up to date."""
+    counted = {"puts": 0, "bytes_transferred": 0, "ring_puts": 0, "gets": 0, "ring_fallbacks": 0}
     put, get = connector.put, connector.get
 
     async def counted_put(*args: Any, **kwargs: Any) -> PutResult:
-        result = await put(*args, **kwargs)
+        k = current_kernel()
+        assert isinstance(k, SimKernel) and k.current is not None
+        task = k.current.name
+        seen[task] = PutSeen()
+        try:
+            result = await put(*args, **kwargs)
+        finally:
+            put_seen = seen.pop(task)
+            counted["ring_fallbacks"] += put_seen.ring_fallbacks
         if result.ok:
             counted["puts"] += 1
             counted["bytes_transferred"] += result.size
+            counted["ring_puts"] += put_seen.via == "ring"
         return result
 
     async def counted_get(*args: Any, **kwargs: Any) -> tuple[Any, int] | None:

@@ -12,6 +12,7 @@ every key it tracks, unread ones included, wherever they went.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from omnisim.faults import InjectedCrash
 from omnisim.registry import Param, Params, scenario
@@ -156,3 +157,51 @@ async def closed_with_unread(world: World) -> None:
         with contextlib.suppress(CorruptChunk):  # (an injected decode failure: nothing handed out)
             taken = await code2wav.get(*edge, key)
             world.probe("no-orphan-shm", taken is None, f"a get of {key} after its producer's close took it")
+
+
+#: The two payloads ``puts_of_one_key`` puts under one key at once, by how many codec frames: one
+#: small enough for a ring (where the store has one), one too large for it.
+RACING = {"small": 4, "large": 64}
+
+
+@edge_scenario(
+    "puts_of_one_key",
+    summary="two puts of one key race on one connector, one small enough for the ring and one too large for it: "
+    "once both ended, the key holds one payload, the one written last (a get takes it whole, a second get finds "
+    "nothing), and after its cleanup nothing of either is left",
+    issue="spec §2.5 (a put replaces unread data of the same key), issue 13 (one key's payload in one place, ring or "
+    "segment)",
+    invariants=DATA_PLANE,
+)
+async def puts_of_one_key(world: World) -> None:
+    k = current_kernel()
+    talker, code2wav = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
+    edge = (str(TALKER), str(CODE2WAV))
+    key = "K_1_0"
+
+    async def put(frames: int) -> None:
+        with contextlib.suppress(InjectedCrash):
+            await talker.put(*edge, key, {"codes": {"audio": codec_frames(frames)}})
+
+    async with k.task_group() as race:
+        for name, frames in RACING.items():
+            race.start_soon(functools.partial(put, frames), name=f"K.put_{name}")
+    # (the put that wrote last is the one that committed last, whichever returned last)
+    committed = [
+        e.task
+        for e in k.trace
+        if e.name == "shm.put.committed" and e.attrs.get("key") == key  # type: ignore[attr-defined]
+    ]
+    takes = []
+    for _ in range(2):
+        try:
+            taken = await code2wav.get(*edge, key)
+        except CorruptChunk:
+            taken = None  # (an injected decode failure)
+        frames = taken[0]["codes"]["audio"].shape[-1] if taken is not None else None
+        takes.append(next((name for name, n in RACING.items() if n == frames), "nothing"))
+    if committed and not world.fired_faults():
+        last = committed[-1].removeprefix("K.put_")
+        what = f"what two gets of {key} take once both its puts ended"
+        k.note("connector.answer", what=what, got=", ".join(takes), want=f"{last}, nothing")
+    await talker.cleanup(key)

@@ -29,7 +29,7 @@ import torch
 from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
 from omnisim.world import World
-from runtime.connectors import posix_store
+from runtime.connectors import namespaces, posix_store
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.posix_store import PosixStore
 from runtime.kernel import current_kernel
@@ -187,3 +187,133 @@ async def _taken(code2wav: Any, key: str) -> str:
         return "nothing"
     got = taken[0].get("codes") if isinstance(taken[0], dict) else None
     return ROUND_TRIP if isinstance(got, torch.Tensor) and torch.equal(got, payload(key)["codes"]) else repr(got)[:80]
+
+
+# == the store's own calls =========================================================================
+#
+# The connector-level run above cannot see a store call that swallows its error: the connector
+# treats most of the store's answers as a hint (a cleanup that "removed" a lock file it did not
+# remove leaves a name the exit sweep takes later). So here each call the store makes on behalf
+# of a cleanup, a sweep or a reader meets the failure itself, and must say so: a StoreError of
+# the right kind, naming the key and the error, with nothing changed — or, where nothing fails
+# but the names are odd, the answer the names call for.
+
+
+def _names(store: PosixStore) -> str:
+    return f"segments {store.segments()}, spares {store.spares()}, locks {store.lock_files()}, rings {store.rings()}"
+
+
+def _attempt(call: Callable[[], object], fails: tuple[str, int]) -> str:
+    """``call()`` while the first ``fails[0]`` through ``os`` fails with ``fails[1]``: ``ok``, or
+    the error it raised as ``Type: message``."""
+    failing = FailingOs(fails[0], fails[1], 1)
+    posix_store.os = namespaces.os = failing  # type: ignore[assignment]  # (a sweep removes through the latter)
+    try:
+        call()
+    except Exception as e:  # (the outcome to judge: which error, and what it names)
+        return f"{type(e).__name__}: {e}"
+    finally:
+        posix_store.os = namespaces.os = os
+    return "ok"
+
+
+def _must_refuse(store: PosixStore, what: str, call: Callable[[], object], fails: tuple[str, int], key: str) -> None:
+    """``call`` meets the failure ``fails``: it must raise the StoreError that errno calls for
+    (:class:`ForeignName` for a refusal, :class:`StoreFull` for no room), naming ``key`` and the
+    error, and change no name."""
+    function, error = fails
+    before = _names(store)
+    got = _attempt(call, fails).replace(store.namespace, "NS")  # (a fresh one each run: not in the trace)
+    kind = {errno.EACCES: "ForeignName", errno.ENOSPC: "StoreFull"}.get(error, "StoreError")
+    named = "/dev/shm is full" if error == errno.ENOSPC else os.strerror(error)
+    want = f"{kind} naming {key!r} and {named!r}"
+    if got.startswith(f"{kind}: ") and repr(key) in got and named in got:
+        got = want
+    note_case(f"{what}, its {function} failing with {errno.errorcode[error]}", got, want)
+    note_case(f"the names after {what} failed", _names(store), before)
+
+
+def _segment(store: PosixStore, key: str, size: int = 4096) -> None:
+    segment = store.create_segment(key)
+    segment.reserve(size)
+    segment.write(0, bytes(size))
+    segment.close()
+
+
+def _lock_file(store: PosixStore, key: str) -> None:
+    lock = store.open_lock(key, create=True)
+    assert lock is not None
+    lock.close()
+
+
+def _refused_calls(store: PosixStore) -> None:
+    eio, eacces = errno.EIO, errno.EACCES
+    _lock_file(store, "k")
+    _must_refuse(store, "remove lock file k", lambda: store.remove_lock("k"), ("unlink", eio), "k")
+    _must_refuse(store, "remove lock file k", lambda: store.remove_lock("k"), ("unlink", eacces), "k")
+    store.remove_lock("k")
+    _segment(store, "s")
+    _must_refuse(store, "unlink segment s", lambda: store.unlink_segment("s"), ("unlink", eio), "s")
+    _must_refuse(store, "retire segment s", lambda: store.retire_segment("s"), ("lstat", eio), "s")
+    _must_refuse(store, "retire segment s", lambda: store.retire_segment("s"), ("link", eio), "s")
+    store.retire_segment("s")  # (the world's store keeps every consumed segment as a spare)
+    _must_refuse(store, "remove spare s", lambda: store.remove_spare("s"), ("unlink", eio), "s")
+    store.remove_spare("s")
+    _segment(store, "w")
+    segment = store.create_segment("x")
+    segment.reserve(4096)
+    _must_refuse(store, "write segment x", lambda: segment.write(0, bytes(4096)), ("pwrite", errno.ENOSPC), "x")
+    segment.close()
+    # (a sweep removes its owner record last: w's segment first)
+    _must_refuse(store, "sweep", store.sweep, ("unlink", eio), "omnisim-NS-seg-w")
+    for key in ("w", "x"):
+        store.unlink_segment(key)
+
+
+def _odd_names(store: PosixStore) -> None:
+    """Names a death leaves: a ring whose maker died before reserving its bytes; a spare with two
+    names (its consumer died between linking it and unlinking the segment's name, as an unlink
+    that fails there leaves it)."""
+    with open(store.ring_path("e"), "x"):
+        pass  # an empty ring file of ours, mode 0600 aside: made by hand below
+    os.chmod(store.ring_path("e"), posix_store.MODE)
+    try:
+        got = f"{store.open_ring('e')!r}"
+    except Exception as e:  # (the outcome to judge)
+        got = f"{type(e).__name__}: {e}"
+    want = "ForeignName naming 'e': its maker is still reserving its bytes"
+    note_case(
+        "open ring e, no bytes reserved yet", want if got.startswith("ForeignName") and "'e'" in got else got, want
+    )
+    store.unlink_ring("e")
+
+    _segment(store, "a")
+    _attempt(lambda: store.retire_segment("a"), ("unlink", errno.EIO))
+    _segment(store, "b")  # the same size: it would take a's spare, but that one has two names
+    note_case(
+        "the names after b's put, a's spare having two names",
+        _names(store),
+        "segments ['a', 'b'], spares ['a'], locks [], rings []",
+    )
+    for key in ("a", "b"):
+        store.unlink_segment(key)
+    store.remove_spare("a")
+
+
+@scenario(
+    "store_calls_fail",
+    summary="each call a cleanup, a sweep or a reader makes of the POSIX store meets a failing system call "
+    "(EIO, EACCES, ENOSPC) and says so: the StoreError the errno calls for, naming the key and the error, no "
+    "name changed; names a death leaves (a ring with no bytes yet, a spare with two names) are refused, not used",
+    issue="omnisim issue 9 (a hostile /dev/shm), issue 11 (the store's error paths, which no connector-level run "
+    "could tell from success)",
+    build=World,
+    invariants=(*DEFAULT_INVARIANTS, "os-errors-clean"),
+    # One run is the whole check: nothing here awaits, so no schedule reorders it.
+    budget_share=0.05,
+    unavailable=unavailable,
+)
+async def store_calls_fail(world: World) -> None:
+    assert isinstance(world.store, PosixStore)
+    _refused_calls(world.store)
+    _odd_names(world.store)

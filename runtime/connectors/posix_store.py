@@ -358,7 +358,7 @@ class PosixStore:
     def lock_path(self, key: str) -> str:
         return self._path("lock-" + validate_key(key))
 
-    def _ring_path(self, edge: str) -> str:
+    def ring_path(self, edge: str) -> str:
         return self._path("ring-" + validate_key(edge))
 
     def with_room(self, make: Callable[[], _T]) -> _T:
@@ -525,7 +525,7 @@ class PosixStore:
         return True
 
     def create_ring(self, edge: str, capacity: int) -> _PosixRing:
-        path = self._ring_path(edge)
+        path = self.ring_path(edge)
         with _translated("create ring", edge):
             try:
                 fd = self.with_room(lambda: _create(path))
@@ -545,7 +545,7 @@ class PosixStore:
 
     def open_ring(self, edge: str) -> _PosixRing | None:
         with _translated("open ring", edge):
-            fd = _open_existing(self._ring_path(edge))
+            fd = _open_existing(self.ring_path(edge))
         if fd is None:
             return None
         try:
@@ -561,7 +561,7 @@ class PosixStore:
             raise
 
     def unlink_ring(self, edge: str, *, only: RingMemory | None = None) -> bool:
-        path = self._ring_path(edge)
+        path = self.ring_path(edge)
         with _translated("remove ring", edge):
             if only is not None and (not isinstance(only, _PosixRing) or not _names_file(path, only._fd)):
                 return False

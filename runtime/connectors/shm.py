@@ -128,7 +128,8 @@ class ShmConnector:
             frame = EncodedFrame(data)
             await self._take_turn(put_key)
             try:
-                if not await self._put_on_ring(from_stage, to_stage, put_key, frame):
+                on_ring = await self._put_on_ring(from_stage, to_stage, put_key, frame)
+                if not on_ring:
                     await self._write_locked(put_key, frame)
                 self._pending_keys[put_key] = None
             finally:
@@ -141,6 +142,7 @@ class ShmConnector:
             k.note("shm.put.wake", key=put_key, to=to_stage)
             self._wakeups.notify(to_stage)
         self._puts += 1
+        self._ring_puts += on_ring
         self._bytes += frame.size
         await k.point("shm.put.end", key=put_key)
         return PutResult(True, frame.size, {"shm": {"name": put_key, "size": frame.size}, "size": frame.size})
@@ -219,8 +221,6 @@ class ShmConnector:
             # Cancelled while it was being written (or the connector closed under it): the
             # cleanup wins, as it does over a segment it unlinked under a writer.
             self._ring_keys.pop(key, None)
-        else:
-            self._ring_puts += 1
         return True
 
     async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> bool:
