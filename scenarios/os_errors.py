@@ -203,31 +203,35 @@ def _names(store: PosixStore) -> str:
     return f"segments {store.segments()}, spares {store.spares()}, locks {store.lock_files()}, rings {store.rings()}"
 
 
-def _attempt(call: Callable[[], object], fails: tuple[str, int]) -> str:
-    """``call()`` while the first ``fails[0]`` through ``os`` fails with ``fails[1]``: ``ok``, or
-    the error it raised as ``Type: message``."""
-    failing = FailingOs(fails[0], fails[1], 1)
+def _attempt(call: Callable[[], object], fails: tuple[str, int], nth: int = 1) -> str:
+    """``call()`` while the ``nth`` call of ``fails[0]`` through ``os`` fails with ``fails[1]``:
+    what it returned, or the error it raised as ``Type: message``."""
+    failing = FailingOs(fails[0], fails[1], nth)
     posix_store.os = namespaces.os = failing  # type: ignore[assignment]  # (a sweep removes through the latter)
     try:
-        call()
+        result = call()
     except Exception as e:  # (the outcome to judge: which error, and what it names)
         return f"{type(e).__name__}: {e}"
     finally:
         posix_store.os = namespaces.os = os
-    return "ok"
+    return f"returned {result!r}"
 
 
-def _must_refuse(store: PosixStore, what: str, call: Callable[[], object], fails: tuple[str, int], key: str) -> None:
-    """``call`` meets the failure ``fails``: it must raise the StoreError that errno calls for
-    (:class:`ForeignName` for a refusal, :class:`StoreFull` for no room), naming ``key`` and the
-    error, and change no name."""
+def _must_refuse(
+    store: PosixStore, what: str, call: Callable[[], object], fails: tuple[str, int], key: str, nth: int = 1
+) -> None:
+    """``call`` meets the failure ``fails`` (at the ``nth`` call of its function): it must raise
+    the StoreError that errno calls for (:class:`ForeignName` for a refusal, :class:`StoreFull`
+    for no room), naming ``key`` and the error, and change no name."""
     function, error = fails
     before = _names(store)
-    got = _attempt(call, fails).replace(store.namespace, "NS")  # (a fresh one each run: not in the trace)
+    got = _attempt(call, fails, nth).replace(store.namespace, "NS")  # (a fresh one each run: not in the trace)
     kind = {errno.EACCES: "ForeignName", errno.ENOSPC: "StoreFull"}.get(error, "StoreError")
     named = "/dev/shm is full" if error == errno.ENOSPC else os.strerror(error)
     want = f"{kind} naming {key!r} and {named!r}"
-    if got.startswith(f"{kind}: ") and repr(key) in got and named in got:
+    # (a plain StoreError says "cannot <what> <key>: <the error>", as an OSError would)
+    said = f"{key!r}: {named}" in got if kind == "StoreError" else repr(key) in got and named in got
+    if got.startswith(f"{kind}: ") and said:
         got = want
     note_case(f"{what}, its {function} failing with {errno.errorcode[error]}", got, want)
     note_case(f"the names after {what} failed", _names(store), before)
@@ -261,19 +265,41 @@ def _refused_calls(store: PosixStore) -> None:
     store.remove_spare("s")
     _segment(store, "w")
     segment = store.create_segment("x")
+    _must_refuse(store, "reserve segment x", lambda: segment.reserve(4096), ("posix_fallocate", eio), "x")
     segment.reserve(4096)
     _must_refuse(store, "write segment x", lambda: segment.write(0, bytes(4096)), ("pwrite", errno.ENOSPC), "x")
     segment.close()
+    # A put that takes a spare looks twice at what it opened: whether the key still names its new
+    # segment, then whether the spare is ours. The second look fails.
+    _segment(store, "t")
+    store.retire_segment("t")
+    segment = store.create_segment("y")
+    _must_refuse(store, "reserve y from a spare", lambda: segment.reserve(4096), ("fstat", eio), "y", nth=2)
+    segment.close()
+    store.unlink_segment("y")
+    store.remove_spare("t")
+    _must_refuse(
+        store,
+        "claim namespace oscase",
+        lambda: PosixStore("oscase", claim=True, directory=store.directory),
+        ("write", eio),
+        "oscase",
+    )
+    note_case("names of namespace oscase after its claim failed", str(_named(store.directory, "oscase")), "[]")
     # (a sweep removes its owner record last: w's segment first)
     _must_refuse(store, "sweep", store.sweep, ("unlink", eio), "omnisim-NS-seg-w")
     for key in ("w", "x"):
         store.unlink_segment(key)
 
 
+def _named(directory: str, namespace: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith(f"omnisim-{namespace}-"))
+
+
 def _odd_names(store: PosixStore) -> None:
-    """Names a death leaves: a ring whose maker died before reserving its bytes; a spare with two
-    names (its consumer died between linking it and unlinking the segment's name, as an unlink
-    that fails there leaves it)."""
+    """Names a death or a careless user leaves: a ring whose maker died before reserving its
+    bytes; a spare with two names (its consumer died between linking it and unlinking the
+    segment's name, as an unlink that fails there leaves it); a spare that is not ours."""
     with open(store.ring_path("e"), "x"):
         pass  # an empty ring file of ours, mode 0600 aside: made by hand below
     os.chmod(store.ring_path("e"), posix_store.MODE)
@@ -298,6 +324,23 @@ def _odd_names(store: PosixStore) -> None:
     for key in ("a", "b"):
         store.unlink_segment(key)
     store.remove_spare("a")
+
+    _segment(store, "f")
+    store.retire_segment("f")
+    spare = store.segment_path("f").replace("-seg-f", "-spare-f")
+    os.chmod(spare, 0o644)  # (someone made it readable to all: no longer a name of ours)
+    try:
+        got = f"{store.remove_spare('f')}"
+    except Exception as e:  # (the outcome to judge)
+        got = f"{type(e).__name__}: {e}"
+    got = "refused" if got.startswith("ForeignName: ") and "'f'" in got else got
+    note_case("remove spare f, not ours", f"{got}, spares {store.spares()}", "refused, spares ['f']")
+    os.chmod(spare, posix_store.MODE)
+    # (as if another process removed it between the store's look and its unlink)
+    got = _attempt(lambda: store.remove_spare("f"), ("unlink", errno.ENOENT))
+    note_case("remove spare f, gone meanwhile", got, "returned False")
+    store.remove_spare("f")
+    note_case("remove spare f, gone", f"{store.remove_spare('f')}", "False")
 
 
 @scenario(

@@ -203,13 +203,15 @@ def write_owner(path: str, owner: Owner) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, owner.to_json().encode())
-    finally:
-        os.close(fd)
-    try:
+        try:
+            record = memoryview(owner.to_json().encode())
+            while record:
+                record = record[os.write(fd, record) :]
+        finally:
+            os.close(fd)
         os.link(tmp, path)  # unlike rename, never replaces an existing name
     finally:
-        os.unlink(tmp)
+        os.unlink(tmp)  # (also when the write failed: nothing of a record that was never made stays)
 
 
 @dataclass
