@@ -19,9 +19,10 @@ nothing is left.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
 from omnisim.world import World
-from runtime.connectors import namespaces, posix_store
+from runtime.connectors import namespaces, posix_store, wakeup
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.posix_store import PosixStore
 from runtime.kernel import current_kernel
@@ -207,13 +208,14 @@ def _attempt(call: Callable[[], object], fails: tuple[str, int], nth: int = 1) -
     """``call()`` while the ``nth`` call of ``fails[0]`` through ``os`` fails with ``fails[1]``:
     what it returned, or the error it raised as ``Type: message``."""
     failing = FailingOs(fails[0], fails[1], nth)
-    posix_store.os = namespaces.os = failing  # type: ignore[assignment]  # (a sweep removes through the latter)
+    # (a sweep removes through namespaces; the wakeup bus makes its FIFOs through wakeup)
+    posix_store.os = namespaces.os = wakeup.os = failing  # type: ignore[assignment]
     try:
         result = call()
     except Exception as e:  # (the outcome to judge: which error, and what it names)
         return f"{type(e).__name__}: {e}"
     finally:
-        posix_store.os = namespaces.os = os
+        posix_store.os = namespaces.os = wakeup.os = os
     return f"returned {result!r}"
 
 
@@ -343,6 +345,76 @@ def _odd_names(store: PosixStore) -> None:
     note_case("remove spare f, gone", f"{store.remove_spare('f')}", "False")
 
 
+def _descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@contextlib.contextmanager
+def _stdin_closed() -> Iterator[None]:
+    """As in a process started with its standard input closed: the next descriptor opened is 0,
+    a descriptor like any other."""
+    saved = os.dup(0)
+    os.close(0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+def _zero_open() -> bool:
+    try:
+        os.fstat(0)
+    except OSError:
+        return False
+    return True
+
+
+def _descriptor_zero(store: PosixStore) -> None:
+    """A segment and a wakeup receiver that get descriptor 0 close it like any other."""
+    with _stdin_closed():
+        _segment(store, "z")
+        note_case("descriptor 0 after a segment that had it closed", str(_zero_open()), "False")
+        bus = wakeup.FifoWakeups(store.namespace, store.directory)
+        got = _attempt(lambda: bus.generation("s1"), ("open", errno.EIO), 2)
+        note_case(
+            "descriptor 0 after a receiver whose FIFO could not open",
+            f"{got}, {_zero_open()}",
+            "returned None, False",
+        )
+        bus.close()
+    store.unlink_segment("z")
+
+
+def _wakeup_calls(store: PosixStore) -> None:
+    """The FIFO wakeup bus of the store's namespace: a receiver whose FIFO cannot be opened, a
+    folder that cannot be looked at, a bus once closed. None of them makes a receiver, and none
+    leaves a FIFO or a descriptor behind."""
+    bus = wakeup.FifoWakeups(store.namespace, store.directory)
+    _, first_look = bus.generation("s0"), _descriptors()
+    bus.close()
+    for what, fails, nth in (
+        ("the read end of a receiver's FIFO cannot be checked", ("fstat", errno.EIO), 1),
+        ("the hold end of a receiver's FIFO cannot be opened", ("open", errno.EIO), 2),
+        ("the wakeup folder cannot be looked at", ("lstat", errno.EIO), 1),
+    ):
+        bus = wakeup.FifoWakeups(store.namespace, store.directory)
+        got = _attempt(lambda bus=bus: bus.generation("s1"), fails, nth)  # type: ignore[misc]
+        fifos = sorted(os.listdir(bus.directory)) if os.path.isdir(bus.directory) else []
+        leaked = len(_descriptors() - first_look)
+        want = "returned None, FIFOs [], 0 descriptors left open"
+        note_case(f"a receiver of s1 when {what}", f"{got}, FIFOs {fifos}, {leaked} descriptors left open", want)
+        bus.close()
+    # (a folder whose look failed cannot be told ours, so its bus leaves it: a sweep takes it)
+    with contextlib.suppress(OSError):
+        os.rmdir(bus.directory)
+    bus = wakeup.FifoWakeups(store.namespace, store.directory)
+    bus.close()
+    generation = bus.generation("s1")
+    made = os.path.lexists(bus.directory)
+    note_case("a receiver of a closed bus", f"{generation}, folder made: {made}", "None, folder made: False")
+
+
 @scenario(
     "store_calls_fail",
     summary="each call a cleanup, a sweep or a reader makes of the POSIX store meets a failing system call "
@@ -360,3 +432,5 @@ async def store_calls_fail(world: World) -> None:
     assert isinstance(world.store, PosixStore)
     _refused_calls(world.store)
     _odd_names(world.store)
+    _wakeup_calls(world.store)
+    _descriptor_zero(world.store)
