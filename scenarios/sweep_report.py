@@ -5,7 +5,8 @@ dry run, would remove), the namespaces it kept because their owner lives or thei
 young to judge, the names it skipped because they are not ours, the names it could not remove.
 Here a private tmpfs holds what a machine's /dev/shm may hold, made by hand so the truth is
 known: a dead owner's namespace with every kind of name and a folder of FIFOs holding another
-user's file; a live owner's; an ownerless one too young to judge and one old enough to sweep; two
+user's file; a live owner's, and an old one of a live owner with pid 1 (a container's first
+process); an ownerless one too young to judge and one old enough to sweep; two
 young ones whose dead owner's record is padded to 4 KiB (read: the largest a record may be) and
 past it (not read: the namespace counts as ownerless), and a young one whose record names pid 0
 (no process: ownerless too); a name of the dead namespace others may read, a symlink, and a name
@@ -39,13 +40,14 @@ STRANGER_UID = 54321
 OLD_S = 3600.0
 
 #: The names the scenario makes (the world's own store, if it has one here, is none of them).
-MADE = re.compile(r"omnisim-(dead|live|young|old|full|over|zero)-.*|not-omnisim")
+MADE = re.compile(r"omnisim-(dead|live|init|young|old|full|over|zero)-.*|not-omnisim")
 #: The largest owner record a sweep reads.
 RECORD_MAX = 4096
 #: The names of each namespace of ours, besides its owner record.
 OURS = {
     "dead": ("lock-k", "ring-edge_1_2", "seg-k", "spare-s"),
     "live": ("seg-k",),
+    "init": ("seg-k",),
     "young": ("seg-k",),
     "old": ("lock-k", "seg-k"),
     "full": ("seg-k",),
@@ -88,6 +90,7 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
     write_owner(os.path.join(path, name("dead", OWNER_SUFFIX)), dead)
     world.processes.kill(dead)
     write_owner(os.path.join(path, name("live", OWNER_SUFFIX)), world.owners[MAIN_PROCESS])
+    write_owner(os.path.join(path, name("init", OWNER_SUFFIX)), world.processes.spawn(pid=1))
     for namespace, size in (("full", RECORD_MAX), ("over", RECORD_MAX + 1)):
         record = dead.to_json().encode()
         with open(os.path.join(path, name(namespace, OWNER_SUFFIX)), "wb") as f:
@@ -100,8 +103,9 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
     stranger = os.path.join(wake, "theirs")
     os.close(os.open(stranger, os.O_CREAT | os.O_WRONLY, 0o600))
     os.chown(stranger, STRANGER_UID, STRANGER_UID)
-    for old in OURS["old"]:
-        os.utime(os.path.join(path, name("old", old)), (time.time() - OLD_S, time.time() - OLD_S))
+    for namespace in ("old", "init"):  # (init's: old enough to sweep, were its live owner not seen)
+        for old in OURS[namespace]:
+            os.utime(os.path.join(path, name(namespace, old)), (time.time() - OLD_S, time.time() - OLD_S))
     foreign = [file(name("dead", "seg-readable"), 0o644), name("dead", "ring-link")]
     os.symlink(os.path.join(path, name("dead", "seg-k")), os.path.join(path, foreign[1]))
     file("not-omnisim")
@@ -117,7 +121,7 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
         + [HANDED_BACK]
         + doomed("full", True)
         + doomed("old", False),
-        "live": ["live"],
+        "live": ["init", "live"],
         "unjudged": [],
         "young_orphans": ["over", "young", "zero"],
         "foreign": sorted(foreign),
