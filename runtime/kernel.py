@@ -174,11 +174,11 @@ async def wait_until(
     deadline = k.now() + limit_s
     backoff = first_s
     try:
-        while not ready():
-            if k.now() >= deadline:
-                return False
+        while k.now() < deadline:
             await k.sleep(backoff)
             backoff = min(backoff * 2, max_s)
-        return True
+            if ready():
+                return True
+        return False
     finally:
         k.note("wait.end", what=what, key=key)

@@ -338,26 +338,23 @@ class ShmConnector:
 
         A reader that consumed the previous payload removes the lock file while holding it, so a
         lock won on a file that lost its name protects nothing: retry on the new file."""
-        k = current_kernel()
-        deadline = k.now() + self.lock_timeout_s
-        backoff = LOCK_RETRY_S
-        waiting = False
-        while True:
+        taken: list[LockFile] = []
+
+        def take() -> bool:
             lock = self.store.open_lock(key, create=True)
             assert lock is not None
             if lock.try_acquire() and lock.is_current():
-                if waiting:
-                    k.note("wait.end", what="lock", key=key)
-                return lock
+                taken.append(lock)
+                return True
             lock.close()
-            if not waiting:
-                waiting = True
-                k.note("wait.begin", what="lock", key=key, limit_us=round(self.lock_timeout_s * 1e6))
-            if k.now() >= deadline:
-                k.note("wait.end", what="lock", key=key)
-                raise LockTimeout(f"the lock file of {key!r} stayed held for more than {self.lock_timeout_s:g}s")
-            await k.sleep(backoff)
-            backoff = min(backoff * 2, LOCK_RETRY_MAX_S)
+            return False
+
+        limit_s = self.lock_timeout_s
+        if not await wait_until(
+            take, what="lock", key=key, limit_s=limit_s, first_s=LOCK_RETRY_S, max_s=LOCK_RETRY_MAX_S
+        ):
+            raise LockTimeout(f"the lock file of {key!r} stayed held for more than {limit_s:g}s")
+        return taken[0]
 
     # -- get ---------------------------------------------------------------------------------
 
