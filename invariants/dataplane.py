@@ -282,7 +282,8 @@ def sweep_reports_true(world: ObservedWorld) -> list[str]:
 @invariant(
     "ring-writes-locked",
     "a ring's head and tail move only while its lock is held: whenever the lock is taken (and at quiescence) they are "
-    "as its last holder left them (checked on every ring of a store in memory)",
+    "as its last holder left them, and a reader lets it go with the head where it found it (checked on every ring of "
+    "a world's stores)",
 )
 def ring_writes_locked(world: ObservedWorld) -> list[str]:
     return [

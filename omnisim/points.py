@@ -110,7 +110,8 @@ POINTS: dict[str, tuple[str, str]] = {
     "sweep.case": ("note", "what a sweep's report or the folder after it said, and what it must [what, got, want]"),
     "ring.unlocked_write": (
         "note",
-        "a ring's head or tail moved with its lock free (seen when it was next taken) [edge, when, left, found]",
+        "a ring's head or tail moved with its lock free (seen when it was next taken), or its head while a reader "
+        "held it [edge, when, left, found]",
     ),
     "os.case": ("note", "what a put or get gave as a system call of the store failed, and what must [what, got, want]"),
     "model.case": ("note", "what a call gave on the store in memory, and what on the real one [what, got, want]"),

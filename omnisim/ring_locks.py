@@ -8,6 +8,11 @@ lock missing. The words themselves show it: every handle on a ring of the world'
 watched as it takes the lock and lets it go, and whenever anyone takes the lock the ring's head
 and tail must be as its last holder left them (and at quiescence, when nobody holds it). A change
 in between was made by someone who did not hold the lock.
+
+A writer that goes on without the lock while a reader holds it (a reader stopped mid-copy holds it
+for as long as it is stopped) writes inside the reader's hold, where the two checks above cannot
+see it: whatever the reader leaves counts as left by a holder. But a reader never reserves a
+frame, so the head moving while a reader holds the lock was someone else's write.
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ def _file_of(handle: Any) -> int:
 
 class RingLocks:
     """The rings of a world's stores: for each, its head and tail as the last holder of its lock
-    left them, and the handles that hold it now."""
+    left them, and the handles that hold it now (with the head and tail as each found them)."""
 
     def __init__(self) -> None:
         self._left: dict[int, tuple[str, tuple[int, int]]] = {}
-        self._holders: set[int] = set()
+        self._holders: dict[int, tuple[int, int]] = {}
         self._watched: dict[type, type] = {}
 
     def watch(self, store: Store) -> None:
@@ -52,6 +57,7 @@ class RingLocks:
             if handle is not None:
                 handle.__class__ = self._watched_class(type(handle))
                 handle._locks_edge = edge  # type: ignore[attr-defined]
+                handle._locks_reader = not made  # type: ignore[attr-defined]
                 if made or _file_of(handle) not in self._left:
                     self._left[_file_of(handle)] = (edge, _words(handle))
             return handle
@@ -79,12 +85,21 @@ class RingLocks:
         return self._watched[cls]
 
     def _taken(self, handle: Any) -> None:
-        self._holders.add(id(handle))
-        self._check(_file_of(handle), _words(handle), "taken")
+        now = _words(handle)
+        self._holders[id(handle)] = now
+        self._check(_file_of(handle), now, "taken")
 
     def _let_go(self, handle: Any) -> None:
-        self._holders.discard(id(handle))
-        self._left[_file_of(handle)] = (handle._locks_edge, _words(handle))
+        found, now = self._holders.pop(id(handle)), _words(handle)
+        if handle._locks_reader and now[0] != found[0]:
+            current_kernel().note(
+                "ring.unlocked_write",
+                edge=handle._locks_edge,
+                when="let go by a reader (which never moves the head)",
+                left=str(found),
+                found=str(now),
+            )
+        self._left[_file_of(handle)] = (handle._locks_edge, now)
 
     def _check(self, ring: int, now: tuple[int, int], when: str) -> None:
         edge, left = self._left[ring]

@@ -8,6 +8,7 @@ there is no decision in the ring's code whose mistake could reorder a request's 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -226,6 +227,27 @@ class _NoLock:
 )
 def ring_sections_unlocked() -> Iterator[Patch]:
     yield Patch(shm_module, "locked", _NoLock)
+
+
+class _LockOrNot(rings.locked):
+    """``locked`` that, once its wait runs out, goes on without the lock instead of giving up."""
+
+    async def __aenter__(self) -> None:
+        with contextlib.suppress(rings.RingBusy):
+            await super().__aenter__()
+
+
+@mutant(
+    "ring_held_lock_ignored",
+    summary="a put that waited its while for a ring's lock goes on without it: a reader stopped mid-copy holds the "
+    "lock, and the producer releases and reuses the space it is reading",
+    issue="omnisim issue 11 (a survivor of the mutation score: the ring lock's give-up, deleted)",
+    scenarios=("stalled_reader",),
+    expect=("ring-writes-locked",),
+    store="ring",
+)
+def ring_held_lock_ignored() -> Iterator[Patch]:
+    yield Patch(shm_module, "locked", _LockOrNot)
 
 
 _unlink_mem_ring, _unlink_posix_ring = MemoryStore.unlink_ring, PosixStore.unlink_ring

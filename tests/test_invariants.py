@@ -15,6 +15,10 @@ from invariants.dataplane import RING_HEADER, ring_room
 from invariants.observed import ObservedWorld, TraceEvent
 from omnisim import registry
 from omnisim.explore import explore
+from omnisim.ring_locks import RingLocks
+from omnisim.sim_kernel import SimKernel
+from omnisim.strategies.random import RandomStrategy
+from runtime.connectors.stores import MemoryStore, RingMemory
 
 registry.load()
 logging.getLogger("runtime").setLevel(logging.CRITICAL)
@@ -82,6 +86,41 @@ def test_ring_writes_locked_flags_a_head_or_tail_moved_without_the_lock() -> Non
         "the edge_1_2 ring's head and tail were (192, 64) when its lock was taken, though its last holder left "
         "them at (128, 64)"
     ]
+
+
+def test_ring_locks_see_a_head_moved_while_a_reader_held_the_lock() -> None:
+    """A writer that goes on without the lock while a reader holds it moves the head inside the
+    reader's hold: only the reader's let-go can tell, since a reader never reserves."""
+    store = MemoryStore()
+    locks = RingLocks()
+    locks.watch(store)
+    producer = store.create_ring("edge_1_2", 1024)
+    reader = store.open_ring("edge_1_2")
+    assert reader is not None
+
+    def move(handle: RingMemory, head: int) -> None:
+        struct.pack_into("<Q", handle.view, 16, head)
+
+    async def main() -> None:
+        assert reader.try_lock()
+        reader.unlock()  # a reader's hold that leaves the head where it was: nothing to note
+        assert reader.try_lock()
+        assert not producer.try_lock()
+        move(producer, 128)  # the producer reserves without the lock, the reader holding it
+        reader.unlock()
+
+    out = SimKernel(RandomStrategy(0)).run(main)
+    notes = [dict(e.attrs) for e in out.trace if e.name == "ring.unlocked_write"]
+    assert notes == [
+        {
+            "edge": "edge_1_2",
+            "when": "let go by a reader (which never moves the head)",
+            "left": "(0, 0)",
+            "found": "(128, 0)",
+        }
+    ]
+    producer.close()
+    reader.close()
 
 
 def test_os_errors_clean_compares_each_outcome_with_what_it_must_give() -> None:
