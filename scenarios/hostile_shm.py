@@ -12,7 +12,9 @@ use may be anything. Two places are planted here, before anything of the world r
 * ``hostile_edge_names`` — the name of an edge's ring: a file others may read, a symlink (both left
   alone: the edge goes over segments), or a file of ours that holds no ring (replaced; no reader
   takes a frame from it); or a chunk's segment name, taken by a file others may read holding a
-  committed frame (left alone; the chunk's put fails, and no reader takes that frame).
+  committed frame (left alone; the chunk's put fails, and no reader takes that frame); or a
+  chunk's lock file name, taken by a file others may read (left alone: no put locks it, no reader
+  or cleanup removes it).
 
 Requests still finish with every frame. At the end the scenario notes, for each planted name,
 what became of it (``shm.planted``), which ``foreign-names-untouched`` compares with what must.
@@ -221,12 +223,14 @@ def note_planted(world: World) -> None:
 
 EDGE_PLANT = Param(
     "plant",
-    ("ring_foreign_mode", "ring_symlink", "ring_garbage_of_ours", "segment_foreign_mode"),
+    ("ring_foreign_mode", "ring_symlink", "ring_garbage_of_ours", "segment_foreign_mode", "lock_foreign_mode"),
     "what sits at a name of the edge before the Talker makes it: at its ring's, a file others may read (mode 644), "
     "a symlink, or a file of ours holding no ring; at a chunk's segment's, a file others may read holding a "
-    "committed frame of codes never sent",
+    "committed frame of codes never sent; at a chunk's lock file's, a file others may read",
 )
-#: The chunk whose segment name ``segment_foreign_mode`` takes.
+#: The plants that take a name a chunk's put needs: its put fails (unless the chunk went on a ring).
+TAKEN_NAMES = ("segment_foreign_mode", "lock_foreign_mode")
+#: The chunk whose segment name ``segment_foreign_mode`` (or lock file name, ``lock_foreign_mode``) takes.
 PLANTED_KEY = "R_1_1"
 
 
@@ -246,6 +250,9 @@ def plant_edge_names(world: World, params: Params) -> None:
         planted += [record("a symlink at the ring's name", ring), record("the file that symlink points at", bait)]
     elif params["plant"] == "ring_garbage_of_ours":
         _regular_file(ring, garbage)  # ours to replace: a ring, or no ring, never frames read from it
+    elif params["plant"] == "lock_foreign_mode":
+        lock = _regular_file(world.plant(f"lock-{PLANTED_KEY}"), b"", mode=0o644)
+        planted.append(record(f"a file others may read at the lock file name of {PLANTED_KEY}", lock))
     else:
         never_sent = {"codes": {"audio": torch.full((NUM_CODEBOOKS, 4), 2047)}}
         segment = _regular_file(world.plant(f"seg-{PLANTED_KEY}"), encode(never_sent), mode=0o644)
@@ -259,8 +266,9 @@ def plant_edge_names(world: World, params: Params) -> None:
     "hostile_edge_names",
     summary="a name of the Talker → Code2Wav edge is taken before the Talker makes it: its ring's, by a file others "
     "may read, a symlink or a file of ours holding no ring; a chunk's segment's, by a file others may read holding a "
-    "frame of codes never sent: the foreign names are left alone (the edge goes over segments, or the chunk's put "
-    "fails), ours is replaced by a ring, and no reader takes a frame from a name that is not ours or not a ring",
+    "frame of codes never sent; a chunk's lock file's, by a file others may read: the foreign names are left alone "
+    "(the edge goes over segments, or the chunk's put fails), ours is replaced by a ring, and no reader takes a "
+    "frame from a name that is not ours or not a ring",
     issue="omnisim issue 9 (a hostile /dev/shm), issue 13 (the ring's attach checks)",
     own=CODE2WAV,
     params=(EDGE_PLANT,),
@@ -270,7 +278,7 @@ def plant_edge_names(world: World, params: Params) -> None:
 async def hostile_edge_names(world: World) -> None:
     req = EdgeRequest(world, "R")
     # A put that meets a foreign name fails its request; one that goes on the ring does not.
-    taken = world.params.get("plant") == "segment_foreign_mode" and isinstance(world.store, PosixStore)
+    taken = world.params.get("plant") in TAKEN_NAMES and isinstance(world.store, PosixStore)
     req.stream.allowed_outcomes = frozenset({"finished", "failed"} if taken else {"finished"})
     await in_process(
         [("stage2", "R.consume", lambda: receive(req)), (MAIN_PROCESS, "R.produce", lambda: send(req, CHUNKS))]

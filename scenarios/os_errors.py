@@ -137,8 +137,9 @@ async def os_errors(world: World) -> None:
             struck, faults = failing.fired, len(world.fired_faults())
             put = await _outcome(lambda key=key: talker.put(*EDGE, key, payload(key)))  # type: ignore[misc]
             put_struck = failing.fired and not struck
-            want = f"ok, or a failure naming {NAMED[error]!r}" if put_struck else "ok"
-            got = want if put == "ok" or (put_struck and NAMED[error] in put) else put
+            want = f"ok, or a failure naming {NAMED[error]!r} and {key!r}" if put_struck else "ok"
+            named = NAMED[error] in put and repr(key) in put
+            got = want if put == "ok" or (put_struck and named) else put
             if len(world.fired_faults()) == faults:  # (one injected on top is the other invariants' to judge)
                 note_case(f"the put of {key}", got, want)
             # (``faults`` is not counted again: a get after a put an injected fault struck, which may
