@@ -9,7 +9,8 @@ tensors, strided views, tuple dict keys, the extreme integers — goes through u
 connector's ring settings are input too: a ring too small, not in whole 64-byte lines, or with
 frames of no size or of more than half of it is refused with an error that names the rule; and so
 is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one, this process's).
-A bad key is refused by a put, a get and a cleanup alike.
+A bad key is refused by a put, a get and a cleanup alike. Every valid payload also crosses the
+control plane's framing (a whole frame in memory, :func:`runtime.connectors.wire.encode`) unchanged.
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
 which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
@@ -35,6 +36,7 @@ from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
 from runtime.connectors.posix_store import NAMESPACE_PATTERN, PosixStore
 from runtime.connectors.ring import ALIGN, RingSettings
 from runtime.connectors.shm import ShmConnector
+from runtime.connectors.wire import WireError, decode, encode
 from runtime.kernel import current_kernel
 from runtime.serving import MAX_INPUT_CHARS
 from scenarios.edge import CODE2WAV, TALKER, edge_scenario
@@ -244,6 +246,15 @@ async def hostile_keys_and_payloads(world: World) -> None:
             note_case(f"{name}, put and got back under an injected fault", seen, CLEAN_FAILURE)
         else:
             note_case(f"{name}, put and got back", seen, ROUND_TRIP)
+    # The control plane between the head and a stage process frames its messages in the same
+    # format, whole frames in memory (runtime.control): what the connector carries crosses there too.
+    for name, payload in good_payloads().items():
+        try:
+            framed = decode(encode(payload))
+            seen = ROUND_TRIP if same(payload, framed) else repr(framed)[:200]
+        except WireError as e:
+            seen = f"{type(e).__name__}: {e}"
+        note_case(f"{name}, framed as a control message and read back", seen, ROUND_TRIP)
 
 
 #: The edge the ring-filling connectors put on: none of the world's stages' (each edge has one
