@@ -3,7 +3,11 @@
 The adapter and upstream's callers act on a connector's answers: a put's result (``ok``, the
 bytes it put, the metadata a get names the chunk by), a cleanup's whether it removed an unread
 chunk, ``cleanup_prefix``'s count of those, a wait's whether its stage's wakeup generation
-moved. A slip in an answer leaves the store as it should be, so no check of the store sees it.
+moved. A slip in an answer leaves the store as it should be, so no check of the store sees it. A put or a
+get that raises what its contract never raises (spec §2.1: a put answers, failed or not, and
+raises only for an invalid key; a get raises only that, or a corrupt chunk) is a wrong answer too:
+its caller turns any exception into a failed request, so a slip that crashes mid-put would
+otherwise pass for a storage failure.
 Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
 from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
 between that point and its removal, on the kernel's one thread): whether the key has a segment
@@ -14,13 +18,16 @@ answer that differs is noted (``connector.answer``), so a clean run's trace is w
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from invariants.dataplane import ring_unread_keys
-from runtime.connectors.base import PutResult
+from omnisim.faults import InjectedCrash
+from runtime.connectors.base import CorruptChunk, PutResult
+from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.ring import edge_name
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import Store
@@ -59,15 +66,20 @@ class Answers:
 
     def watch(self, connector: ShmConnector) -> None:
         """Check every answer ``connector`` gives from now on."""
-        put, cleanup, cleanup_prefix = connector.put, connector.cleanup, connector.cleanup_prefix
+        put, get, cleanup, cleanup_prefix = connector.put, connector.get, connector.cleanup, connector.cleanup_prefix
         wait_for_change = connector.wait_for_change
         sent_on: set[str] = set()
 
         async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
             sent_on.add(edge_name(from_stage, to_stage))
-            result = await put(from_stage, to_stage, put_key, data)
+            with _raising_only(f"the put of {put_key}", InvalidKeyError):
+                result = await put(from_stage, to_stage, put_key, data)
             _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
             return result
+
+        async def answered_get(from_stage: str, to_stage: str, get_key: str, *args: Any, **kwargs: Any) -> Any:
+            with _raising_only(f"the get of {get_key}", InvalidKeyError, CorruptChunk):
+                return await get(from_stage, to_stage, get_key, *args, **kwargs)
 
         async def answered_cleanup(key: str) -> bool:
             task = trio.lowlevel.current_task()
@@ -102,6 +114,7 @@ class Answers:
             return changed
 
         connector.put = answered_put  # type: ignore[method-assign]
+        connector.get = answered_get  # type: ignore[method-assign]
         connector.cleanup = answered_cleanup  # type: ignore[method-assign]
         connector.cleanup_prefix = answered_cleanup_prefix  # type: ignore[method-assign]
         connector.wait_for_change = answered_wait_for_change  # type: ignore[method-assign]
@@ -128,6 +141,19 @@ def _put_answer(result: PutResult, key: str) -> str:
         return "as it went" if result.size > 0 and names else f"ok, {result.size} bytes, metadata {metadata}"
     error = metadata.get("error")
     return "as it went" if result.size == 0 and isinstance(error, str) and error else f"failed, {result.size} bytes"
+
+
+@contextmanager
+def _raising_only(what: str, *allowed: type[Exception]) -> Iterator[None]:
+    """Note an exception out of the block that is neither ``allowed`` nor injected by the world."""
+    try:
+        yield
+    except (*allowed, InjectedCrash):
+        raise
+    except Exception as e:
+        names = " or ".join(kind.__name__ for kind in allowed)
+        _check(what, f"raised {type(e).__name__}: {e}", f"an answer, or {names}")
+        raise
 
 
 def _check(what: str, got: str, want: str) -> None:

@@ -43,7 +43,8 @@ class RingLocks:
 
     def __init__(self) -> None:
         self._left: dict[int, tuple[str, tuple[int, int]]] = {}
-        self._holders: dict[int, tuple[int, int]] = {}
+        #: Each handle holding a lock now: its ring, and the head and tail as it found them.
+        self._holders: dict[int, tuple[int, tuple[int, int]]] = {}
         self._watched: dict[type, type] = {}
 
     def watch(self, store: Store) -> None:
@@ -85,12 +86,12 @@ class RingLocks:
         return self._watched[cls]
 
     def _taken(self, handle: Any) -> None:
-        now = _words(handle)
-        self._holders[id(handle)] = now
-        self._check(_file_of(handle), now, "taken")
+        ring, now = _file_of(handle), _words(handle)
+        self._holders[id(handle)] = (ring, now)
+        self._check(ring, now, "taken")
 
     def _let_go(self, handle: Any) -> None:
-        found, now = self._holders.pop(id(handle)), _words(handle)
+        (_, found), now = self._holders.pop(id(handle)), _words(handle)
         if handle._locks_reader and now[0] != found[0]:
             current_kernel().note(
                 "ring.unlocked_write",
@@ -106,6 +107,11 @@ class RingLocks:
         if now != left:
             current_kernel().note("ring.unlocked_write", edge=edge, when=when, left=str(left), found=str(now))
             self._left[ring] = (edge, now)
+
+    def held(self, handle: RingMemory) -> bool:
+        """Whether anyone holds the lock of the ring ``handle`` is on."""
+        ring = _file_of(handle)
+        return any(held == ring for held, _ in self._holders.values())
 
     def check_idle(self, stores: list[Store]) -> None:
         """At quiescence, nobody holding a lock: every ring of ``stores`` as its last holder left it."""

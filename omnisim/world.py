@@ -19,7 +19,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room, ring_unread_keys
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
@@ -37,11 +37,13 @@ from runtime.connectors.namespaces import Entry, Owner, SweepReport
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import unread_frames
 from runtime.connectors.shm import ShmConnector
-from runtime.connectors.stores import MemoryStore, Store, StoreError
+from runtime.connectors.stores import MemoryStore, RingMemory, Store, StoreError
 from runtime.connectors.wakeup import FifoWakeups, LocalWakeups, Wakeups
 from runtime.kernel import Attr, current_kernel
 from runtime.stages import StageTransport
 from runtime.transfer.adapter import ChunkTransferAdapter, Processor
+
+T = TypeVar("T")
 
 #: How a stage of a world on the ``ring`` store hands chunks over: on rings so small that a few
 #: chunks fill one and the scenarios wrap around it, find it full and fall back to segments.
@@ -642,7 +644,16 @@ class World:
 
     def _check_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
         if attrs["held"]:
-            return  # a reader held the ring's lock throughout: room or not, the put could not look
+            # Room or not, the put could not look, if someone held the ring's lock as it last
+            # tried (nothing runs between that try and the note).
+            for held in self._on_ring(task, attrs, self.ring_locks.held):
+                self.probe(
+                    "ring-before-segments",
+                    held,
+                    f"{task.name} put {attrs['key']} in a segment as the {attrs['edge']} ring's lock stayed held, but "
+                    "nobody held it",
+                )
+            return
         for free, needed in self._ring_room(task, attrs):
             self.probe(
                 "ring-before-segments",
@@ -666,14 +677,18 @@ class World:
         """``(free, needed)`` (see :func:`invariants.dataplane.ring_room`) for the put of ``attrs``
         on the ring of ``attrs["edge"]`` in the namespaces of ``task``'s process, read from the
         ring's bytes now: nothing runs between a note and its watcher."""
-        edge, key, nbytes = str(attrs["edge"]), str(attrs["key"]), int(attrs["bytes"])  # type: ignore[arg-type]
+        key, nbytes = str(attrs["key"]), int(attrs["bytes"])  # type: ignore[arg-type]
+        return self._on_ring(task, attrs, lambda memory: ring_room(memory.view, key, nbytes))
+
+    def _on_ring(self, task: SimTask, attrs: dict[str, Attr], look: Callable[[RingMemory], T]) -> list[T]:
+        """What ``look`` sees of the ring of ``attrs["edge"]`` in each namespace of ``task``'s process."""
         out = []
         for store, process in self.namespaces.values():
-            memory = store.open_ring(edge) if process == task.process else None
+            memory = store.open_ring(str(attrs["edge"])) if process == task.process else None
             if memory is None:
                 continue
             try:
-                out.append(ring_room(memory.view, key, nbytes))
+                out.append(look(memory))
             finally:
                 memory.close()
         return out

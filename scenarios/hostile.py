@@ -9,7 +9,8 @@ tensors, strided views, tuple dict keys, the extreme integers — goes through u
 connector's ring settings are input too: a ring too small, not in whole 64-byte lines, or with
 frames of no size or of more than half of it is refused with an error that names the rule; and so
 is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one, this process's).
-A bad key is refused by a put, a get and a cleanup alike. Every valid payload also crosses the
+A bad key is refused by a put, a get and a cleanup alike; stage ids that make no valid name for
+their edge's ring leave the edge without one, and its chunks still arrive. Every valid payload also crosses the
 control plane's framing (a whole frame in memory, :func:`runtime.connectors.wire.encode`) unchanged.
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
@@ -54,6 +55,10 @@ LONGEST_KEY = (ALPHABET * MAX_KEY_LENGTH)[:MAX_KEY_LENGTH]
 #: Key lengths around where a ring frame's header (24 bytes and the key) crosses into another
 #: 64-byte line: one byte short of it, exactly on it, one byte into the next.
 LINE_KEY_LENGTHS = (39, 40, 41, 103, 104, 105)
+
+#: Stage ids upstream's connector takes at its API edge that make no valid name for their edge's
+#: ring (a path, a parent folder): the edge gets no ring, and its chunks go by segments all the same.
+EDGELESS_STAGES = (("a/b", str(CODE2WAV)), (str(TALKER), "../x"))
 
 #: Payloads the wire format cannot carry.
 BAD_PAYLOADS: dict[str, object] = {
@@ -229,13 +234,17 @@ async def hostile_keys_and_payloads(world: World) -> None:
     got, _ = await outcome(lambda: receiver.get(*edge, "good_0_0", {"get_key": "../x"}))
     note_case("a get whose metadata names the key '../x'", got, "InvalidKeyError")
 
-    line_keys = {f"a key of {n} characters": ("k" * (n - 4) + "_0_0", {"x": n}) for n in LINE_KEY_LENGTHS}
-    cases = {"the longest key": (LONGEST_KEY, {"x": 1}), **line_keys}
-    cases |= {name: (f"good_{i}_0", payload) for i, (name, payload) in enumerate(good_payloads().items(), 1)}
-    for name, (key, payload) in cases.items():
+    line_keys = {f"a key of {n} characters": (edge, "k" * (n - 4) + "_0_0", {"x": n}) for n in LINE_KEY_LENGTHS}
+    cases = {"the longest key": (edge, LONGEST_KEY, {"x": 1}), **line_keys}
+    cases |= {name: (edge, f"good_{i}_0", payload) for i, (name, payload) in enumerate(good_payloads().items(), 1)}
+    cases |= {
+        f"a chunk from stage {stages[0]!r} to stage {stages[1]!r}": (stages, f"edgeless_{i}_0", {"x": i})
+        for i, stages in enumerate(EDGELESS_STAGES)
+    }
+    for name, (stages, key, payload) in cases.items():
         fired = len(world.fired_faults())
-        put_got, put = await outcome(lambda key=key, payload=payload: sender.put(*edge, key, payload))  # type: ignore[misc]
-        got, taken = await outcome(lambda key=key: receiver.get(*edge, key))  # type: ignore[misc]
+        put_got, put = await outcome(lambda s=stages, key=key, payload=payload: sender.put(*s, key, payload))  # type: ignore[misc]
+        got, taken = await outcome(lambda s=stages, key=key: receiver.get(*s, key))  # type: ignore[misc]
         came_back = got == "ok" and taken is not None and same(payload, taken[0])
         seen = ROUND_TRIP if came_back else f"{got}: {taken!r}"[:200]
         if len(world.fired_faults()) > fired:

@@ -151,10 +151,10 @@ async def os_errors(world: World) -> None:
                 want = "nothing"
             elif get_struck:
                 # (a get that could not look answers nothing now: the chunk is there for the next)
-                want = f"{ROUND_TRIP} (now or at the next get), or a corrupt chunk naming {NAMED[error]!r}"
+                want = f"{ROUND_TRIP} (now or at the next get), or a corrupt chunk naming {key} and {NAMED[error]!r}"
                 if taken == "nothing":
                     taken = await _taken(code2wav, key)
-                named = taken.startswith("corrupt") and NAMED[error] in taken
+                named = taken.startswith(f"corrupt: corrupt chunk {key}: ") and NAMED[error] in taken
                 taken = want if taken == ROUND_TRIP or named else taken
             else:
                 want = ROUND_TRIP

@@ -14,11 +14,15 @@ from invariants import INVARIANTS, Violation, check
 from invariants.dataplane import RING_HEADER, ring_room
 from invariants.observed import ObservedWorld, TraceEvent
 from omnisim import registry
+from omnisim.answers import Answers
 from omnisim.explore import explore
 from omnisim.ring_locks import RingLocks
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.random import RandomStrategy
-from runtime.connectors.stores import MemoryStore, RingMemory
+from runtime.connectors.base import CorruptChunk
+from runtime.connectors.keys import InvalidKeyError
+from runtime.connectors.shm import ShmConnector
+from runtime.connectors.stores import ForeignName, MemoryStore, RingMemory, Segment
 
 registry.load()
 logging.getLogger("runtime").setLevel(logging.CRITICAL)
@@ -106,8 +110,10 @@ def test_ring_locks_see_a_head_moved_while_a_reader_held_the_lock() -> None:
         reader.unlock()  # a reader's hold that leaves the head where it was: nothing to note
         assert reader.try_lock()
         assert not producer.try_lock()
+        assert locks.held(producer)  # (what a put that found the lock held may say)
         move(producer, 128)  # the producer reserves without the lock, the reader holding it
         reader.unlock()
+        assert not locks.held(producer)
 
     out = SimKernel(RandomStrategy(0)).run(main)
     notes = [dict(e.attrs) for e in out.trace if e.name == "ring.unlocked_write"]
@@ -121,6 +127,40 @@ def test_ring_locks_see_a_head_moved_while_a_reader_held_the_lock() -> None:
     ]
     producer.close()
     reader.close()
+
+
+def test_answers_note_a_put_or_get_that_raises_what_its_contract_never_raises() -> None:
+    """The adapter turns any exception out of a put into a failed request, so a slip that
+    crashes mid-put would pass for a storage failure: the answer says it did not."""
+    store = MemoryStore()
+    connector = ShmConnector(store, stage_id=1)
+    Answers(lambda s: s, lambda s, name: False, lambda s: iter(())).watch(connector)
+
+    def crashes(key: str) -> Segment:
+        raise IndexError("list index out of range")
+
+    def not_ours(key: str) -> Segment:
+        raise ForeignName(f"the segment of {key} is not ours")
+
+    async def main() -> None:
+        with pytest.raises(InvalidKeyError):  # what a put may raise: not noted
+            await connector.put("1", "2", "a/b", {"x": 1})
+        with pytest.raises(CorruptChunk):  # what a get may raise: not noted
+            store.open_lock("R_1_1", create=True)
+            store.open_segment = not_ours  # type: ignore[method-assign]
+            await connector.get("1", "2", "R_1_1")
+        store.create_segment = crashes  # type: ignore[method-assign]
+        with pytest.raises(IndexError):  # a slip: noted, and raised on
+            await connector.put("1", "2", "R_1_0", {"x": torch.zeros(4)})
+
+    out = SimKernel(RandomStrategy(0)).run(main)
+    assert [dict(e.attrs) for e in out.trace if e.name == "connector.answer"] == [
+        {
+            "what": "the put of R_1_0",
+            "got": "raised IndexError: list index out of range",
+            "want": "an answer, or InvalidKeyError",
+        }
+    ]
 
 
 def test_os_errors_clean_compares_each_outcome_with_what_it_must_give() -> None:
