@@ -3,11 +3,11 @@
 The adapter and upstream's callers act on a connector's answers: a put's result (``ok``, the
 bytes it put, the metadata a get names the chunk by), a cleanup's whether it removed an unread
 chunk, ``cleanup_prefix``'s count of those, a wait's whether its stage's wakeup generation
-moved. A slip in an answer leaves the store as it should be, so no check of the store sees it. A put or a
-get that raises what its contract never raises (spec §2.1: a put answers, failed or not, and
-raises only for an invalid key; a get raises only that, or a corrupt chunk) is a wrong answer too:
-its caller turns any exception into a failed request, so a slip that crashes mid-put would
-otherwise pass for a storage failure.
+moved. A slip in an answer leaves the store as it should be, so no check of the store sees it.
+A put or a get that raises what its contract never raises (spec §2.1: a put answers, failed or
+not, and raises only for an invalid key; a get raises only that, or a corrupt chunk) is a wrong
+answer too: its caller turns any exception into a failed request, so a slip that crashes mid-put
+would otherwise pass for a storage failure.
 Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
 from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
 between that point and its removal, on the kernel's one thread): whether the key has a segment

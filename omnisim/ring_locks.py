@@ -91,7 +91,7 @@ class RingLocks:
         self._check(ring, now, "taken")
 
     def _let_go(self, handle: Any) -> None:
-        (_, found), now = self._holders.pop(id(handle)), _words(handle)
+        (ring, found), now = self._holders.pop(id(handle)), _words(handle)
         if handle._locks_reader and now[0] != found[0]:
             current_kernel().note(
                 "ring.unlocked_write",
@@ -100,7 +100,7 @@ class RingLocks:
                 left=str(found),
                 found=str(now),
             )
-        self._left[_file_of(handle)] = (handle._locks_edge, now)
+        self._left[ring] = (handle._locks_edge, now)
 
     def _check(self, ring: int, now: tuple[int, int], when: str) -> None:
         edge, left = self._left[ring]

@@ -10,8 +10,9 @@ connector's ring settings are input too: a ring too small, not in whole 64-byte 
 frames of no size or of more than half of it is refused with an error that names the rule; and so
 is a store's namespace (1 to 24 characters of [a-z0-9]; none gets a fresh one, this process's).
 A bad key is refused by a put, a get and a cleanup alike; stage ids that make no valid name for
-their edge's ring leave the edge without one, and its chunks still arrive. Every valid payload also crosses the
-control plane's framing (a whole frame in memory, :func:`runtime.connectors.wire.encode`) unchanged.
+their edge's ring leave the edge without one, and its chunks still arrive. Every valid payload
+also crosses the control plane's framing (a whole frame in memory,
+:func:`runtime.connectors.wire.encode`) unchanged.
 
 Each case is noted as an ``input.case`` event (what was tried, what happened, what must happen),
 which ``bad-input-refused`` compares. Nothing here is drawn at random: the cases are the
