@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from omnisim.registry import Patch, mutant
 from runtime.connectors import namespaces, posix_store, stores, wire
 from runtime.connectors.namespaces import Owner, ProcessTable
@@ -153,7 +151,7 @@ def segment_never_closed() -> Iterator[Patch]:
 def checksum_covers_padding() -> Iterator[Patch]:
     def checksum(self: wire.EncodedFrame) -> int:
         digest = wire.new_digest()
-        digest.update(self._head())
+        digest.update(self._head)
         for _, data in self._buffers:
             if data.nbytes:
                 digest.update(data)
@@ -321,7 +319,7 @@ def health_counts_ring_puts_twice() -> Iterator[Patch]:
 def decoded_lists_as_tuples() -> Iterator[Patch]:
     unpack = wire._unpack
 
-    def first_pass_unpack(header: np.ndarray, ext_hook: Any, *, exact: bool = True) -> Any:
+    def first_pass_unpack(header: memoryview, ext_hook: Any, *, exact: bool = True) -> Any:
         return unpack(header, ext_hook, exact=False)
 
     yield Patch(wire, "_unpack", first_pass_unpack)

@@ -47,6 +47,8 @@ FAILURES: dict[str, tuple[str, int | None, int]] = {
     "pwrite_eio": ("pwrite", errno.EIO, 1),
     "pwrite_enospc": ("pwrite", errno.ENOSPC, 1),
     "pwrite_short": ("pwrite", None, 1),
+    "pread_eio": ("pread", errno.EIO, 1),
+    "pread_short": ("pread", None, 1),
     "preadv_eio": ("preadv", errno.EIO, 1),
     "preadv_short": ("preadv", None, 1),
     "ftruncate_eio": ("ftruncate", errno.EIO, 1),
@@ -92,6 +94,8 @@ class FailingOs:
             if self.function == "pwrite":
                 view = memoryview(data).cast("B")
                 return real(fd, view[: len(view) // 2], offset, **kwargs)
+            if self.function == "pread":
+                return real(fd, data // 2, offset, **kwargs)
             out = memoryview(data[0]).cast("B")
             return real(fd, [out[: len(out) // 2]], offset, **kwargs)
 

@@ -212,13 +212,27 @@ class _PosixSegment:
             view = view[written:]
             offset += written
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        try:
+            data = os.pread(self._fd, nbytes, offset)
+        except OSError as e:
+            raise self._read_failed(e) from None
+        self._check_read(len(data), nbytes, offset)
+        return data
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
         try:
             got = os.preadv(self._fd, [out], offset)
         except OSError as e:
-            raise WireDecodeError(f"cannot read segment {self._key!r}: {e.strerror}") from None
-        if got != out.nbytes:
-            raise WireDecodeError(f"segment {self._key!r} ended after {got} of {out.nbytes} bytes at {offset}")
+            raise self._read_failed(e) from None
+        self._check_read(got, out.nbytes, offset)
+
+    def _read_failed(self, e: OSError) -> WireDecodeError:
+        return WireDecodeError(f"cannot read segment {self._key!r}: {e.strerror}")
+
+    def _check_read(self, got: int, nbytes: int, offset: int) -> None:
+        if got != nbytes:
+            raise WireDecodeError(f"segment {self._key!r} ended after {got} of {nbytes} bytes at {offset}")
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from runtime.config.deploy import DEFAULT_RING_BYTES
 from runtime.connectors.namespaces import Owner
@@ -139,9 +140,8 @@ def room_channel(edge: str) -> str:
     return f"room_{edge}"
 
 
-@dataclass(frozen=True)
-class Frame:
-    """A frame as the ring holds it now."""
+class Frame(NamedTuple):
+    """A frame as the ring holds it now (a tuple: two are made per chunk)."""
 
     pos: int
     state: int

@@ -81,6 +81,10 @@ class FrameIO(Protocol):
         """Write all of ``data`` at ``offset``."""
         ...
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """The ``nbytes`` at ``offset``; raise if fewer are there."""
+        ...
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8) with the bytes at ``offset``; raise if fewer are there."""
         ...
@@ -100,10 +104,17 @@ class BufferIO:
         chunk = memoryview(data).cast("B")
         self._view[offset : offset + len(chunk)] = chunk
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check_inside(offset, nbytes)
+        return self._view[offset : offset + nbytes].tobytes()
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
-        if offset + out.nbytes > len(self._view):
-            raise WireDecodeError(f"read of {out.nbytes} bytes at {offset} runs past a {len(self._view)}-byte frame")
+        self._check_inside(offset, out.nbytes)
         np.copyto(out, np.frombuffer(self._view, np.uint8, out.nbytes, offset))
+
+    def _check_inside(self, offset: int, nbytes: int) -> None:
+        if offset + nbytes > len(self._view):
+            raise WireDecodeError(f"read of {nbytes} bytes at {offset} runs past a {len(self._view)}-byte frame")
 
     def close(self) -> None:
         self._view.release()
@@ -145,8 +156,15 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+#: The dtypes numpy has too: a plain CPU tensor of one of them is viewed as bytes through numpy,
+#: whose view operations cost a fraction of torch's (a small chunk pays for them per tensor).
+_NUMPY_DTYPES = frozenset(TORCH_DTYPES.values()) - {torch.bfloat16}
+
+
 def _as_bytes_array(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of a CPU, contiguous tensor's bytes (no copy)."""
+    """A flat uint8 numpy view of the tensor's bytes: no copy for a CPU, contiguous tensor."""
+    if t.is_cpu and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.detach().numpy().reshape(-1).view(np.uint8)
     flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
     # A one-element slice may keep a stride the byte view rejects; a flat tensor's bytes are dense.
     flat = flat.as_strided((flat.numel(),), (1,))
@@ -170,8 +188,12 @@ class EncodedFrame:
             raise
         except (TypeError, ValueError, OverflowError, RuntimeError, NotImplementedError) as e:
             raise WireEncodeError(f"cannot encode payload: {e}") from e
-        self._header = header
         self._buffer_base = _align(_PREFIX.size + len(header))
+        #: The prefix and the header, zero-padded to the buffer region.
+        self._head = bytearray(self._buffer_base)
+        _PREFIX.pack_into(self._head, 0, MAGIC, len(header))
+        self._head[_PREFIX.size : _PREFIX.size + len(header)] = header
+        self._header_end = _PREFIX.size + len(header)
         self.body_size = self._buffer_base + self._region
         self.size = self.body_size + TRAILER.size
 
@@ -199,7 +221,7 @@ class EncodedFrame:
 
     def write_body(self, io: FrameIO) -> None:
         """Write everything but the commit trailer, one write per buffer."""
-        io.write(0, self._head())
+        io.write(0, self._head)
         for offset, data in self._buffers:
             if data.nbytes:
                 io.write(self._buffer_base + offset, data)
@@ -208,7 +230,7 @@ class EncodedFrame:
         """The checksum the trailer commits: of the prefix, the header and every buffer. It reads
         only the payload's own memory, so it may run while :meth:`write_body` copies."""
         digest = new_digest()
-        digest.update(self._head()[: _PREFIX.size + len(self._header)])
+        digest.update(memoryview(self._head)[: self._header_end])
         for _, data in self._buffers:
             if data.nbytes:
                 digest.update(data)
@@ -222,12 +244,6 @@ class EncodedFrame:
         """Write the whole frame (``size`` bytes) through ``io``, the commit trailer last."""
         self.write_body(io)
         self.commit(io, self.checksum())
-
-    def _head(self) -> bytearray:
-        head = bytearray(self._buffer_base)
-        _PREFIX.pack_into(head, 0, MAGIC, len(self._header))
-        head[_PREFIX.size : _PREFIX.size + len(self._header)] = self._header
-        return head
 
     def to_bytes(self) -> bytes:
         out = bytearray(self.size)
@@ -336,7 +352,7 @@ def _allocate(ref: _Ref) -> tuple[object, np.ndarray | None]:
                 out = torch.empty(ref.shape, dtype=ref.dtype)  # type: ignore[arg-type]
             else:  # (its storage is then the mapping's: it cannot be resized in place)
                 out = torch.from_numpy(huge_page_memory(ref.nbytes)).view(ref.dtype).reshape(ref.shape)  # type: ignore[arg-type]
-            return out, out.reshape(-1).view(torch.uint8).numpy() if ref.nbytes else None
+            return out, _as_bytes_array(out) if ref.nbytes else None
         buf = _fresh_bytes(ref.nbytes)
         return buf.view(ref.dtype).reshape(ref.shape), buf if ref.nbytes else None
     except (TypeError, ValueError, OverflowError, RuntimeError, OSError) as e:  # a shape no allocator takes
@@ -352,14 +368,14 @@ def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
-def _unpack(header: np.ndarray, ext_hook: Any, *, exact: bool = True) -> Any:
+def _unpack(header: memoryview, ext_hook: Any, *, exact: bool = True) -> Any:
     """The header's object; ``exact`` False (a first pass that only visits the buffer references)
     keeps arrays as tuples and maps as msgpack builds them, which is several times faster."""
     try:
         if not exact:
-            return msgpack.unpackb(header.data, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=False)
+            return msgpack.unpackb(header, ext_hook=ext_hook, raw=False, strict_map_key=False, use_list=False)
         return msgpack.unpackb(
-            header.data, ext_hook=ext_hook, raw=False, strict_map_key=False, object_pairs_hook=_tuple_keys
+            header, ext_hook=ext_hook, raw=False, strict_map_key=False, object_pairs_hook=_tuple_keys
         )
     except WireDecodeError:
         raise
@@ -375,12 +391,6 @@ def decode(source: Buffer | FrameIO) -> Any:
     return FrameDecoder(source).decode()
 
 
-def _read(io: FrameIO, offset: int, nbytes: int) -> np.ndarray:
-    out = np.empty(nbytes, np.uint8)
-    io.read_into(offset, out)
-    return out
-
-
 class FrameDecoder:
     """One frame being decoded. Making it checks the commit trailer and every buffer reference
     of the header, then allocates the buffers (never more than the frame holds); the bytes are
@@ -393,20 +403,19 @@ class FrameDecoder:
             raise WireDecodeError(f"frame too short ({io.size} bytes): its writer never finished")
         self._io = io
         body_size = io.size - TRAILER.size
-        magic, pad, self._committed, length = TRAILER.unpack(_read(io, body_size, TRAILER.size).tobytes())
+        magic, pad, self._committed, length = TRAILER.unpack(io.read(body_size, TRAILER.size))
         if magic != COMMIT_MAGIC or pad:
             raise WireDecodeError("uncommitted frame: its writer never finished (no commit trailer)")
         if length != body_size:
             raise WireDecodeError(f"the commit trailer says {length} bytes, the frame holds {body_size}")
-        prefix = _read(io, 0, _PREFIX.size)
-        magic, header_len = _PREFIX.unpack(prefix.tobytes())
+        magic, header_len = _PREFIX.unpack(io.read(0, _PREFIX.size))
         if magic != MAGIC:
             raise WireDecodeError(f"bad magic {bytes(magic)!r}")
         end = _PREFIX.size + header_len
         if end > body_size:
             raise WireDecodeError(f"header length {header_len} runs past the end of a {body_size}-byte frame")
-        self._head = _read(io, 0, end)
-        self._header = self._head[_PREFIX.size :]
+        self._head = io.read(0, end)
+        self._header = memoryview(self._head)[_PREFIX.size :]
         refs = _Refs(_align(end), body_size)
         _unpack(self._header, refs.ext_hook, exact=False)
         refs.check_disjoint()
