@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="shrink",
         action="store_false",
         help="save a find as found (by default a random, PCT or ordered find is shrunk to the fewest "
-        "deviations from the default schedule that still fail)",
+        "deviations from the default schedule, added faults and requests that still fail)",
     )
     sp.add_argument("--out", default=ARTIFACT_DIR, help="where artifacts go (default: %(default)s)")
     sp.set_defaults(func=cmd_explore, needs_registry=True)
@@ -708,6 +708,8 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
             )
             if shrunk.get("faults_before"):  # none fired, or a summary from before faults were shrunk
                 line += f", {shrunk['faults_before']} → {shrunk['faults']} faults"
+            if shrunk.get("clients_before"):  # a scenario without clients (requests it may leave out)
+                line += f", {shrunk['clients_before']} → {shrunk['clients']} requests"
             lines.append(line)
         lines.extend(_violations_text(v["violations"][:5]))
     if not s["violations"]:

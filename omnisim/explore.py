@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -68,6 +69,10 @@ class RunResult:
     fault_plan: list[Fault] | None = None
     #: The faults that fired, in order.
     fired: list[Fault] = field(default_factory=list)
+    #: The clients the scenario made (each a request a shrinker may leave out), and those this
+    #: run left out.
+    clients: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -128,11 +133,15 @@ def run_once(
     mutant: str | None = None,
     params: Params | None = None,
     fault_plan: list[Fault] | None = None,
+    left_out: frozenset[str] = frozenset(),
 ) -> RunResult:
     """Run one schedule of ``scn`` and check its invariants. The mutant must already be applied.
     ``params``: the configuration (default: the one ``seed`` walks to). ``fault_plan``: the
-    run's only faults, in place of the scenario's (its own, sampled or injected) and ``--fault``'s."""
-    return trio.run(run_once_async, scn, store, strategy, seed, mutant, params, fault_plan)
+    run's only faults, in place of the scenario's (its own, sampled or injected) and ``--fault``'s.
+    ``left_out``: clients of the scenario this run leaves out (a shrunk find's)."""
+    return trio.run(
+        functools.partial(run_once_async, left_out=left_out), scn, store, strategy, seed, mutant, params, fault_plan
+    )
 
 
 async def run_once_async(
@@ -143,6 +152,8 @@ async def run_once_async(
     mutant: str | None = None,
     params: Params | None = None,
     fault_plan: list[Fault] | None = None,
+    *,
+    left_out: frozenset[str] = frozenset(),
 ) -> RunResult:
     """:func:`run_once` inside a running trio loop (used to run many schedules in one loop)."""
     if store not in STORES:
@@ -157,6 +168,7 @@ async def run_once_async(
         with use_kernel(kernel):
             world = scn.make_world(store, config)
             world.seed = seed
+            world.left_out = left_out
         if fault_plan is not None:
             # Set once the world is built: it replaces a plan the world injected as well.
             kernel.faults = FaultPlan.fixed(fault_plan)
@@ -186,6 +198,8 @@ async def run_once_async(
         faults=list(scn.fault_specs),
         fault_plan=fault_plan,
         fired=kernel.faults.fired if kernel.faults is not None else [],
+        clients=world.clients,
+        left_out=sorted(left_out),
     )
 
 
@@ -498,7 +512,9 @@ async def _shrink(
     what it came from."""
     shrunk = await shrink(
         found,
-        lambda strategy, faults: run_once_async(scn, store, strategy, seed, mutant, params, faults),
+        lambda strategy, faults, left_out: run_once_async(
+            scn, store, strategy, seed, mutant, params, faults, left_out=left_out
+        ),
         lambda res: still_fails(res.violations),
     )
     shrunk.run.strategy = found.strategy | {"shrunk": shrunk.as_dict()}
@@ -597,6 +613,8 @@ def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
     }
     if res.fault_plan is not None:
         artifact["fault_plan"] = [fault.as_dict() for fault in res.fault_plan]
+    if res.left_out:
+        artifact["left_out"] = res.left_out
     with open(path, "w") as f:
         json.dump(artifact, f, indent=1)
     return path
@@ -649,6 +667,9 @@ def load_artifact(path: str) -> dict[str, Any]:
     params = artifact.get("params")
     if params is not None and not (isinstance(params, dict) and all(isinstance(v, str) for v in params.values())):
         raise UsageError(f"artifact {path!r}: 'params' must map names to values")
+    left_out = artifact.get("left_out", [])
+    if not (isinstance(left_out, list) and all(isinstance(name, str) for name in left_out)):
+        raise UsageError(f"artifact {path!r}: 'left_out' must be a list of client names")
     return artifact
 
 
@@ -689,6 +710,7 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
                 mutant=artifact.get("mutant"),
                 params=artifact.get("params"),
                 fault_plan=faults,
+                left_out=frozenset(artifact.get("left_out", [])),
             )
         res.strategy = {"strategy": "replay", "of": artifact["strategy"]}
         return res, strategy

@@ -19,8 +19,16 @@ and replay uses it instead of drawing again); the shrinker drops added faults wh
 fails, then shrinks the schedule again, in turn until neither gets smaller. The scenario's own
 faults are never dropped: they are what it is about, and without them its world fails for other
 reasons (``failed_put`` without its full store leaves a chunk nobody reads). A find with no added
-fault is shrunk in its schedule only, as before. The requests are the scenario's: no scenario has
-a parameter for how many it sends, so they are not shrunk.
+fault is shrunk in its schedule only, as before.
+
+Then the requests. A scenario's clients (:class:`scenarios.pipeline.Client`: the requests of the
+pipeline, stage-crash and hostile-request scenarios) are each a whole request the run may leave
+out: a left-out client submits nothing and nothing checks it, and a helper that waits on it (an
+abort once it is submitted) does nothing either. The shrinker leaves out one client at a time,
+the last made first, keeping each one whose run still fails, then shrinks the schedule again; the
+artifact records the clients left out (``left_out``) and replay leaves them out too. The other
+scenarios' requests are fixed parts of their world (an edge's producer and consumer, a race's two
+generations): they are not shrunk.
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ if TYPE_CHECKING:
     from omnisim.sim_kernel import SimTask
     from runtime.kernel import Attr
 
-#: Runs one schedule of the failing world, with exactly the faults given (None: the world's own).
-RunSchedule = Callable[[DfsStrategy, "list[Fault] | None"], Awaitable["RunResult"]]
+#: Runs one schedule of the failing world, with exactly the faults given (None: the world's own),
+#: leaving out the clients named.
+RunSchedule = Callable[[DfsStrategy, "list[Fault] | None", frozenset[str]], Awaitable["RunResult"]]
 #: Whether a run still shows the bug (a violation that counts).
 StillFails = Callable[["RunResult"], bool]
-#: The next candidates from a shrinker's best run: schedules, each with its faults.
-Candidates = Callable[["_Best"], "list[tuple[list[int], list[Fault] | None]]"]
+#: The next candidates from a shrinker's best run: schedules, each with its faults and the
+#: clients it leaves out.
+Candidates = Callable[["_Best"], "list[tuple[list[int], list[Fault] | None, frozenset[str]]]"]
 
 #: Runs and seconds a shrink may spend.
 DEFAULT_SHRINK_RUNS = 300
@@ -82,6 +92,9 @@ class Shrunk:
     faults_before: int
     faults: int
     runs: int
+    #: Clients (requests a shrinker may leave out) as found, and as shrunk.
+    clients_before: int = 0
+    clients: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -91,6 +104,8 @@ class Shrunk:
             "preemptions": self.preemptions,
             "faults_before": self.faults_before,
             "faults": self.faults,
+            "clients_before": self.clients_before,
+            "clients": self.clients,
             "runs": self.runs,
         }
 
@@ -162,6 +177,17 @@ def _fewer(faults: list[Fault]) -> list[list[Fault]]:
     return out
 
 
+def _without_one(clients: list[str], left_out: frozenset[str]) -> list[frozenset[str]]:
+    """Each way to leave out one more of ``clients``, the last made first (the scenario's first
+    clients are usually its premise; the later ones its company)."""
+    return [left_out | {name} for name in reversed(clients) if name not in left_out]
+
+
+def clients_in(res: RunResult) -> int:
+    """How many of the scenario's clients ``res`` ran."""
+    return len(res.clients) - len(res.left_out)
+
+
 def _key(prefix: list[int]) -> tuple[int, int, int]:
     return deviations(prefix), sum(prefix), len(prefix)
 
@@ -174,9 +200,10 @@ class _Best:
     prefix: list[int]
     run: RunResult
     faults: list[Fault] | None = None
+    left_out: frozenset[str] = frozenset()
 
     def take(self, strategy: DfsStrategy, res: RunResult) -> None:
-        self.prefix, self.run = strategy.taken(), res
+        self.prefix, self.run, self.left_out = strategy.taken(), res, frozenset(res.left_out)
         if self.faults is not None:
             self.faults = fired_faults(res)  # a fault the new run did not fire is not needed
 
@@ -194,9 +221,11 @@ class _Shrinker:
     def spent(self) -> bool:
         return self.runs >= self._max_runs or time.perf_counter() > self._deadline
 
-    async def failing(self, strategy: DfsStrategy, faults: list[Fault] | None) -> RunResult | None:
-        """The run of ``strategy`` with ``faults`` if it still fails."""
-        res = await self._run(strategy, faults)
+    async def failing(
+        self, strategy: DfsStrategy, faults: list[Fault] | None, left_out: frozenset[str] = frozenset()
+    ) -> RunResult | None:
+        """The run of ``strategy`` with ``faults``, leaving out ``left_out``, if it still fails."""
+        res = await self._run(strategy, faults, left_out)
         self.runs += 1
         return res if self._still_fails(res) else None
 
@@ -206,11 +235,11 @@ class _Shrinker:
         shrank, improved = False, True
         while improved and not self.spent():
             improved = False
-            for prefix, faults in candidates(best):
+            for prefix, faults, left_out in candidates(best):
                 if self.spent():
                     break
                 strategy = DfsStrategy(prefix, sum(prefix), lenient=True)
-                res = await self.failing(strategy, faults)
+                res = await self.failing(strategy, faults, left_out)
                 if res is not None and smaller(strategy):
                     best.take(strategy, res)
                     shrank = improved = True
@@ -221,7 +250,7 @@ class _Shrinker:
         """Take smaller schedules (with ``best``'s faults) until none is; whether one was."""
         return await self._descend(
             best,
-            lambda b: [(prefix, b.faults) for prefix in _smaller(b.prefix)],
+            lambda b: [(prefix, b.faults, b.left_out) for prefix in _smaller(b.prefix)],
             lambda strategy: _key(strategy.taken()) < _key(best.prefix),
         )
 
@@ -232,7 +261,7 @@ class _Shrinker:
         if not any(fault.added for fault in faults) or self.spent():
             return False
         strategy = DfsStrategy(best.prefix, sum(best.prefix), lenient=True)
-        res = await self.failing(strategy, faults)
+        res = await self.failing(strategy, faults, best.left_out)
         if res is None:  # the faults did not come out the same: keep the world's own plan
             return False
         best.faults = faults
@@ -244,7 +273,16 @@ class _Shrinker:
         Any schedule will do: a run with fewer faults is smaller, whatever its schedule."""
         assert best.faults is not None
         return await self._descend(
-            best, lambda b: [(b.prefix, plan) for plan in _fewer(b.faults or [])], lambda strategy: True
+            best, lambda b: [(b.prefix, plan, b.left_out) for plan in _fewer(b.faults or [])], lambda strategy: True
+        )
+
+    async def clients(self, best: _Best) -> bool:
+        """Leave out clients (keeping ``best``'s schedule as far as it still fits) until none
+        can go; whether one could. A run with fewer requests is smaller, whatever its schedule."""
+        return await self._descend(
+            best,
+            lambda b: [(b.prefix, b.faults, left_out) for left_out in _without_one(b.run.clients, b.left_out)],
+            lambda strategy: True,
         )
 
 
@@ -259,11 +297,12 @@ async def shrink(
     ``max_seconds`` (``found`` itself if it cannot be re-expressed)."""
     shrinker = _Shrinker(run, still_fails, max_runs, max_seconds)
     following = _Following(found.choices)
-    first = await shrinker.failing(following, None)
-    preempted, faulted = preemptions_of(found), faults_of(found)
+    left_out = frozenset(found.left_out)
+    first = await shrinker.failing(following, None, left_out)
+    preempted, faulted, clients = preemptions_of(found), faults_of(found), clients_in(found)
     if first is None:  # the world is not deterministic: keep what was found
-        return Shrunk(found, [], 0, 0, preempted, preempted, faulted, faulted, shrinker.runs)
-    best = _Best(following.taken(), first)
+        return Shrunk(found, [], 0, 0, preempted, preempted, faulted, faulted, shrinker.runs, clients, clients)
+    best = _Best(following.taken(), first, left_out=left_out)
     deviated = deviations(best.prefix)
     await shrinker.schedule(best)
     if await shrinker.fix_faults(best):
@@ -271,6 +310,8 @@ async def shrink(
         await shrinker.faults(best)
         while await shrinker.schedule(best) and await shrinker.faults(best):
             pass
+    if await shrinker.clients(best):
+        await shrinker.schedule(best)
     return Shrunk(
         best.run,
         best.prefix,
@@ -281,4 +322,6 @@ async def shrink(
         faulted,
         faults_of(best.run),
         shrinker.runs,
+        clients,
+        clients_in(best.run),
     )

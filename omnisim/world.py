@@ -170,6 +170,11 @@ class World:
         self.params: dict[str, str] = {}
         #: The run's seed, for workload choices a scenario draws (e.g. when to shut down).
         self.seed = 0
+        #: The clients the scenario made, by name, in order: each is a whole request that a
+        #: shrinker may leave out (see :mod:`omnisim.shrink`).
+        self.clients: list[str] = []
+        #: The clients this run leaves out: they submit nothing, and nothing checks them.
+        self.left_out: frozenset[str] = frozenset()
         #: The namespaces whose owner record an operator's sweep removed (in a world, the records
         #: are the world's: see ``_WorldDirectory``).
         self.owner_records_removed: set[str] = set()

@@ -157,7 +157,13 @@ class Client:
     stream: Stream = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stream = self.world.stream(self.name, self.request_id)
+        self.world.clients.append(self.name)
+        #: Left out of this run (a shrunk find's smaller world): it submits nothing, and its
+        #: stream is nobody's to check.
+        self.left_out = self.name in self.world.left_out
+        self.stream = (
+            Stream(self.name, self.request_id) if self.left_out else self.world.stream(self.name, self.request_id)
+        )
         self.stream.complete_required = False  # checked by content below, not by frame counts
         if self.modalities is None:
             self.modalities = client_modalities(self.world)
@@ -174,6 +180,8 @@ class Client:
         self.stream.allowed_outcomes = frozenset(allowed) | shut_down
 
     async def run(self) -> None:
+        if self.left_out:
+            return
         answer = generate(
             engine_of(self.world),
             self.text,
@@ -249,6 +257,8 @@ class Client:
 async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None:
     """The client disconnects once its request is in the engine (or over), after ``after_points``
     scheduling points — each one a decision of the strategy, so it picks where the abort lands."""
+    if client.left_out:
+        return
     k = current_kernel()
     engine = engine_of(client.world)
     while client.request_id not in engine.requests and client.stream.outcome == "open":

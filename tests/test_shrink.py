@@ -28,7 +28,8 @@ NEEDS_A_FAULT = {"scenario": "similar_ids", "mutant": "storage_error_not_rolled_
 
 def _find(tmp_path: Path, strategy: str, **kwargs: object) -> dict:
     options = {"scenario": "abort_during_put", "mutant": "cleanup_on_scheduler_thread"} | kwargs
-    res = explore(strategy=strategy, budget=300, out_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    options = {"budget": 300} | options
+    res = explore(strategy=strategy, out_dir=str(tmp_path), **options)  # type: ignore[arg-type]
     assert res.first_violation_after is not None
     return res.violations[-1]
 
@@ -116,9 +117,9 @@ def test_a_find_without_added_faults_is_shrunk_in_its_schedule_only(
     assert m is not None
     plans: list[list[Fault] | None] = []
 
-    async def schedule(strategy: DfsStrategy, plan: list[Fault] | None) -> RunResult:
+    async def schedule(strategy: DfsStrategy, plan: list[Fault] | None, left_out: frozenset[str]) -> RunResult:
         plans.append(plan)
-        return await run_once_async(scn, "memory", strategy, seed, mutant, None, plan)
+        return await run_once_async(scn, "memory", strategy, seed, mutant, None, plan, left_out=left_out)
 
     with applied(m):
         found = run_once(scn, store="memory", strategy=RandomStrategy(seed), seed=seed, mutant=mutant)
@@ -133,4 +134,28 @@ def test_a_malformed_fault_plan_is_a_usage_error(tmp_path: Path) -> None:
     artifact["fault_plan"][0]["nth"] = 0
     Path(entry["artifact"]).write_text(json.dumps(artifact))
     with pytest.raises(UsageError, match="nth must be a hit number"):
+        replay(entry["artifact"])
+
+
+def test_a_find_is_shrunk_to_fewer_requests_and_replays_without_them(tmp_path: Path) -> None:
+    """The resampled client alone shows the trim-after-resampling bug: the other two requests of
+    the scenario are left out of the saved run, and its replay leaves them out too."""
+    entry = _find(tmp_path, "pct", scenario="pipeline_word_timestamps", mutant="trim_after_resampling", budget=20)
+    shrunk = entry["shrunk"]
+    assert (shrunk["clients_before"], shrunk["clients"]) == (3, 1)
+    artifact = json.loads(Path(entry["artifact"]).read_text())
+    assert artifact["left_out"] == ["plain", "timed"]
+    again = replay(entry["artifact"])
+    assert again.reproduced and again.run.left_out == ["plain", "timed"]
+    assert {v.invariant for v in again.run.violations} == {"samples-exactly-once"}
+    # Left out, a client submits nothing: no event of the run names its request.
+    assert not any('"timed"' in line or '"plain"' in line for line in again.run.trace_lines)
+
+
+def test_a_malformed_left_out_is_a_usage_error(tmp_path: Path) -> None:
+    entry = _find(tmp_path, "random")
+    artifact = json.loads(Path(entry["artifact"]).read_text())
+    artifact["left_out"] = "plain"
+    Path(entry["artifact"]).write_text(json.dumps(artifact))
+    with pytest.raises(UsageError, match="'left_out' must be a list of client names"):
         replay(entry["artifact"])
