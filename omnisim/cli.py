@@ -722,9 +722,8 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
 #: What a command that explores has finished so far, for the summary an interrupt prints.
 _progress: list[Any] = []
 
-#: How often a worker tells the live bar of ``--jobs N`` what it has run (seconds).
-LIVE_EVERY_S = 0.25
-#: In a worker: where it reports that (set by :func:`init_worker`; empty when nothing is live).
+#: In a worker: where it reports what it has run so far (a process pool's queue or a Ray queue;
+#: set by :func:`report_sofar_to`; empty when nothing is live).
 _sofar: list[SimpleQueue[tuple[int, Sofar]]] = []
 
 
@@ -750,7 +749,11 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
             from omnisim.ray_campaign import explore_on_ray
 
             budgets = iter([kwargs["budget"] for _, kwargs in jobs])
-            explore_on_ray(args.ray, jobs, lambda summary: progress.done(summary, next(budgets)), args.plugin)
+
+            def report(summary: dict[str, Any]) -> None:
+                progress.done(summary, next(budgets))
+
+            explore_on_ray(args.ray, jobs, report, args.plugin, progress.campaign_bar())
             return progress.finished
         if args.jobs > 1:
             _explore_in_processes(args.jobs, jobs, progress, args.plugin)
@@ -778,6 +781,8 @@ def _explore_in_processes(
     and what they ran is reported before the interrupt goes on up."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+    from omnisim.progress import LIVE_EVERY_S
 
     context = multiprocessing.get_context("spawn")
     live = progress.campaign_bar()
@@ -829,7 +834,7 @@ def _explore_in_processes(
 def init_worker(plugins: list[str], log_level: int, sofar: SimpleQueue[tuple[int, Sofar]] | None = None) -> None:
     """Make a worker process (of the pool, or of Ray) ready to explore: the plugins loaded, and
     where to report what each exploration has run so far (``sofar``: for a live bar)."""
-    _sofar[:] = [sofar] if sofar is not None else []
+    report_sofar_to(sofar)
     # Ctrl-C reaches the whole process group: the parent decides, and stops its workers with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -838,11 +843,17 @@ def init_worker(plugins: list[str], log_level: int, sofar: SimpleQueue[tuple[int
     registry.load(plugins)
 
 
+def report_sofar_to(sofar: SimpleQueue[tuple[int, Sofar]] | None) -> None:
+    """Where this worker's explorations send what they have run so far (a process pool's queue,
+    or a Ray queue, which has the same ``put``; None: nowhere)."""
+    _sofar[:] = [sofar] if sofar is not None else []
+
+
 def explore_job(scenario: str, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
     """One exploration in a worker: its summary (a partial one if it was stopped). What it has run
     so far goes to the worker's ``sofar`` queue, if it has one, at most every ``LIVE_EVERY_S``."""
     from omnisim import explore as ex
-    from omnisim.progress import Sofar
+    from omnisim.progress import LIVE_EVERY_S, Sofar
 
     sent = [0.0]
 

@@ -20,6 +20,10 @@ from tqdm import tqdm
 
 from omnisim.explore import ExploreResult
 
+#: How often a worker (of ``--jobs N`` or ``--ray``) tells the campaign's live bar what it has
+#: run (seconds).
+LIVE_EVERY_S = 0.25
+
 #: Turns a finished exploration's summary into the lines printed for it.
 Describe = Callable[[dict[str, Any]], list[str]]
 

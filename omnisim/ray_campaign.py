@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omnisim.base import UsageError
+from omnisim.progress import LIVE_EVERY_S, Sofar
 
 #: (scenario, explore's keyword arguments): one exploration.
 Job = tuple[str, dict[str, Any]]
@@ -24,27 +25,41 @@ Job = tuple[str, dict[str, Any]]
 _ready_in_worker: list[tuple[list[str], int]] = []
 
 
-def explore_on_ray(address: str, jobs: list[Job], report: Callable[[dict[str, Any]], None], plugins: list[str]) -> None:
+def explore_on_ray(
+    address: str,
+    jobs: list[Job],
+    report: Callable[[dict[str, Any]], None],
+    plugins: list[str],
+    live: Callable[[int, Sofar], None] | None = None,
+) -> None:
     """Run ``jobs`` as Ray tasks on the cluster at ``address``; ``report`` gets each one's
-    summary, in the jobs' order, as soon as it and those before it are done. On an interrupt
-    the tasks not yet done are cancelled; those done before are still reported."""
+    summary, in the jobs' order, as soon as it and those before it are done, and ``live`` (the
+    campaign's bar) what each has run so far, as the workers send it through a Ray queue. On an
+    interrupt the tasks not yet done are cancelled; those done before are still reported."""
     try:
         import ray
+        from ray.util.queue import Queue
     except ImportError:
         raise UsageError("--ray needs Ray, an optional extra: pip install 'omnisim[ray]'") from None
     local = address == "local"
     options: dict[str, Any] = {"include_dashboard": False} if local else {"address": address}
     ray.init(log_to_driver=False, **options)
     try:
+        # (an actor that holds no CPU while it waits: every CPU runs explorations)
+        sofar = Queue(actor_options={"num_cpus": 0}) if live is not None else None
         run = ray.remote(num_cpus=1)(_run_job)
-        refs = [run.remote(scenario, kwargs, plugins, logging.getLogger().level) for scenario, kwargs in jobs]
+        level = logging.getLogger().level
+        refs = [run.remote(scenario, kwargs, plugins, level, i, sofar) for i, (scenario, kwargs) in enumerate(jobs)]
         done: dict[int, dict[str, Any]] = {}
         position = {ref: i for i, ref in enumerate(refs)}
         reported = 0
         pending = list(refs)
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
+                ready, pending = ray.wait(pending, num_returns=1, timeout=LIVE_EVERY_S if live else None)
+                if sofar is not None and live is not None:
+                    for index, so_far in sofar.get_nowait_batch(sofar.qsize()):
+                        live(index, so_far)
                 for ref in ready:
                     done[position[ref]] = ray.get(ref)
                 while reported in done:
@@ -59,11 +74,16 @@ def explore_on_ray(address: str, jobs: list[Job], report: Callable[[dict[str, An
             ray.shutdown()
 
 
-def _run_job(scenario: str, kwargs: dict[str, Any], plugins: list[str], log_level: int) -> dict[str, Any]:
-    """:func:`omnisim.cli.explore_job` in a Ray worker, which it readies on its first job."""
-    from omnisim.cli import explore_job, init_worker
+def _run_job(
+    scenario: str, kwargs: dict[str, Any], plugins: list[str], log_level: int, index: int, sofar: Any
+) -> dict[str, Any]:
+    """:func:`omnisim.cli.explore_job` in a Ray worker, which it readies on its first job; what
+    it has run so far goes to ``sofar`` (a Ray queue; None: nobody shows it)."""
+    from omnisim.cli import explore_job, init_worker, report_sofar_to
 
     if (plugins, log_level) not in _ready_in_worker:
         init_worker(plugins, log_level)
         _ready_in_worker.append((plugins, log_level))
-    return explore_job(scenario, kwargs)
+    # Per job: a worker of a long-lived cluster serves one campaign after another.
+    report_sofar_to(sofar)
+    return explore_job(scenario, kwargs, index)

@@ -662,12 +662,15 @@ def test_explorations_in_processes_give_the_same_results(capsys: pytest.CaptureF
     assert results("2") == results("1")
 
 
-def test_explorations_in_processes_show_one_live_bar_on_a_terminal(tmp_path: Path) -> None:
-    """On a terminal, ``--jobs N`` shows the campaign's schedules, distinct traces and violations
-    as the workers run them, and each finished exploration's lines above the bar."""
+@pytest.mark.parametrize("workers", [("--jobs", "2"), ("--ray", "local")], ids=["processes", "ray"])
+def test_explorations_in_workers_show_one_live_bar_on_a_terminal(tmp_path: Path, workers: tuple[str, str]) -> None:
+    """On a terminal, ``--jobs N`` and ``--ray`` show the campaign's schedules, distinct traces
+    and violations as the workers run them, and each finished exploration's lines above the bar."""
+    if workers[0] == "--ray":
+        pytest.importorskip("ray")
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    argv = [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "4", "--jobs", "2"]
+    argv = [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "4", *workers]
     argv += ["--out", str(tmp_path)]
     process = subprocess.Popen(argv, stdout=secondary, stderr=secondary, stdin=subprocess.DEVNULL, cwd=tmp_path)
     os.close(secondary)
