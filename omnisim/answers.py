@@ -148,7 +148,7 @@ def _raising_only(what: str, *allowed: type[Exception]) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if isinstance(e, allowed) or hasattr(e, "injected_fault"):  # (a fault of the world's: see SimKernel.point)
+        if isinstance(e, allowed) or hasattr(e, "injected_fault"):  # (a fault of the world's: see Fault.exception)
             raise
         names = " or ".join(kind.__name__ for kind in allowed)
         _check(what, f"raised {type(e).__name__}: {e}", f"an answer, or {names}")

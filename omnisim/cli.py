@@ -127,6 +127,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"a probability is 0..1, not {text}")
+    return value
+
+
 class _ParamAction(argparse.Action):
     """``--param NAME=VALUE``, repeatable, collected into a dict."""
 
@@ -570,18 +580,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="many requests through the real engine, with aborts, reused ids and killed stages",
         description="Send --requests requests through the real engine, --concurrency at a time: about 15%% are "
         "aborted at a random moment, about 10%% reuse an id right after it ended, and with --kill-every a random "
-        "stage process is SIGKILLed that often. Every request is checked (one terminal; a finished one's audio "
-        "equals its text run alone); at the end nothing may be left. Exit 1 on any problem.",
+        "stage process is SIGKILLed that often; with --fault or --faults the puts and gets meet injected storage "
+        "and decode failures. Every request is checked (one terminal; a finished one's audio equals its text run "
+        "alone; a failed one failed for a death or a fault that struck it); at the end nothing may be left. Exit 1 "
+        "on any problem.",
         epilog=_examples(
             "omnisim soak --processes --requests 300 --concurrency 8 --kill-every 5",
             "omnisim soak --requests 1000",
+            "omnisim soak --requests 300 --faults sampled --fault-probability 0.005",
         ),
     )
     sp.add_argument("--requests", type=positive_int, default=300, help="how many requests (default: %(default)s)")
     sp.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time (default: %(default)s)")
     sp.add_argument("--processes", action="store_true", help="each stage in an OS process of its own")
     sp.add_argument("--kill-every", type=positive_float, metavar="SECONDS", help="SIGKILL a random stage this often")
-    sp.add_argument("--seed", type=int, default=0, help="for the aborts, reuses and kills (default: %(default)s)")
+    sp.add_argument(
+        "--seed", type=int, default=0, help="for the aborts, reuses, kills and faults (default: %(default)s)"
+    )
+    sp.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND[@NAME=VALUE,...][#N]",
+        help="inject a fault that raises into the connectors' puts and gets, on the N-th hit of its point whose "
+        "attributes match (repeatable; stages in this process only; `omnisim list faults`)",
+    )
+    sp.add_argument(
+        "--faults",
+        action="append",
+        dest="fault",
+        type=_sampled,
+        metavar="sampled[:KIND,...]",
+        help="BUGGIFY: every KIND (default: the storage failures) is active with probability 1/2 (drawn from --seed) "
+        "and, if active, fires on each hit with --fault-probability",
+    )
+    sp.add_argument(
+        "--fault-probability",
+        type=_probability,
+        default=0.001,
+        metavar="P",
+        help="how often an active sampled fault fires on a hit of its point (default: %(default)s; a request makes "
+        "about a hundred puts and gets)",
+    )
     _add_json(sp)
     sp.set_defaults(func=cmd_soak, needs_registry=False, plugin=[])
 
@@ -1247,10 +1287,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
+    from omnisim.faults import UnknownFaultError, check_raising
     from omnisim.soak import clean, print_report, soak
 
     if args.kill_every and not args.processes:
         raise UsageError("--kill-every kills stage processes: it needs --processes")
+    if args.fault and args.processes:
+        raise UsageError("--fault and --faults fire in the process that puts or gets: not with --processes yet")
+    try:
+        check_raising(args.fault)
+    except UnknownFaultError as e:
+        raise UsageError(str(e)) from None
     bar = None
     if not args.json and sys.stderr.isatty():
         from tqdm import tqdm
@@ -1269,6 +1316,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
             processes=args.processes,
             kill_every=args.kill_every,
             seed=args.seed,
+            faults=args.fault,
+            fault_probability=args.fault_probability,
             progress=progress,
         )
     finally:

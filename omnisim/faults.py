@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.connectors.stores import ForeignName, StoreError, StoreFull
 from runtime.connectors.wire import WireDecodeError
 from runtime.kernel import Attr
+from runtime.real_kernel import RealKernel
 
 
 class InjectedStoreError(StoreError):
@@ -86,7 +87,7 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | N
 
 
 class UnknownFaultError(ValueError):
-    """A fault kind that does not exist."""
+    """A fault kind that does not exist, or a fault spec that cannot be read."""
 
 
 @dataclass
@@ -114,9 +115,19 @@ class Fault:
         return self.at or FAULT_KINDS[self.kind][0]
 
     def exception(self, name: str, attrs: dict[str, Attr]) -> BaseException | None:
-        """The exception this fault raises at ``name``; None for a fault the world acts out."""
+        """The exception this fault raises at ``name``, marked as injected (``injected_fault``:
+        what a check may tell from a slip of the runtime); None for a fault the world acts out."""
         make = FAULT_KINDS[self.kind][1]
-        return None if make is None else make(attrs)
+        if make is None:
+            return None
+        error = make(attrs)
+        error.injected_fault = self.kind  # type: ignore[attr-defined]
+        return error
+
+    @property
+    def raises(self) -> bool:
+        """Whether it is an exception (rather than an action of the simulator's world)."""
+        return FAULT_KINDS[self.kind][1] is not None
 
     def as_dict(self) -> dict[str, object]:
         """A fault that fires on one hit, as an artifact records it (see :func:`fixed_fault`)."""
@@ -182,6 +193,33 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, match=match, nth=int(nth) if nth else 1, added=True)
 
 
+def faults_of_specs(specs: Sequence[str], seed: int, hit_probability: float = 0.2) -> list[Fault]:
+    """The faults of command-line specs (``--fault``, ``--faults sampled``) for the run of
+    ``seed``: the named ones first, then those the sampled specs draw (each active kind firing on
+    a hit with ``hit_probability``). Fresh objects on every call: a fault counts its hits."""
+    named = [parse_fault(spec) for spec in specs if sampled_kinds(spec) is None]
+    drawn = [
+        fault
+        for spec in specs
+        if (kinds := sampled_kinds(spec)) is not None
+        for fault in FaultPlan.sampled(seed, list(kinds), hit_probability=hit_probability).faults
+    ]
+    return [*named, *drawn]
+
+
+def check_raising(specs: Sequence[str]) -> None:
+    """Refuse specs that name a fault the simulator's world acts out (a crash, a stall, bytes
+    changed): a real run can only raise, and has real deaths of its own."""
+    for spec in specs:
+        kinds = sampled_kinds(spec) or (parse_fault(spec).kind,)
+        acted = [kind for kind in kinds if not Fault(kind).raises]
+        if acted:
+            raise UnknownFaultError(
+                f"fault {spec!r}: {', '.join(acted)} is acted out by the simulator's world; a real run injects "
+                f"only faults that raise ({', '.join(k for k in FAULT_KINDS if Fault(k).raises)})"
+            )
+
+
 class FaultPlan:
     def __init__(self, faults: list[Fault], seed: int = 0) -> None:
         self.faults = faults
@@ -216,3 +254,26 @@ class FaultPlan:
                 self.fired.append(fault)
                 return fault
         return None
+
+
+class FaultingKernel(RealKernel):
+    """The production kernel with a fault plan (``omnisim soak --fault``): each point asks the
+    plan, and a fault that fires there raises the exception its real failure raises, so a real
+    run (real /dev/shm, real torch, real timing) meets the failures the simulator injects. Only
+    faults that raise (see :func:`check_raising`). ``plan`` None: no fault fires (yet)."""
+
+    def __init__(self, plan: FaultPlan | None = None) -> None:
+        super().__init__()
+        self.plan = plan
+        #: Each fault that fired: its kind, the key it fired on, and when (this kernel's clock).
+        self.fired: list[tuple[str, str, float]] = []
+
+    async def point(self, name: str, /, **attrs: Attr) -> None:
+        fault = self.plan.fire(name, attrs) if self.plan is not None else None
+        if fault is None:
+            return
+        error = fault.exception(name, attrs)
+        if error is None:
+            raise UnknownFaultError(f"fault {fault.kind} is acted out by the simulator's world: a real run cannot")
+        self.fired.append((fault.kind, str(attrs.get("key")), self.now()))
+        raise error

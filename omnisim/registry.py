@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from omnisim.base import UsageError
-from omnisim.faults import FaultPlan, UnknownFaultError, parse_fault, sampled_kinds
+from omnisim.faults import FaultPlan, UnknownFaultError, faults_of_specs
 from omnisim.world import World
 
 BUILTIN_PLUGIN = "scenarios"
@@ -95,25 +95,15 @@ class Scenario:
         injected too, in every run, besides its own."""
         if not specs:
             return self
-        sampled: list[tuple[str, ...]] = []
-        named: list[str] = []
         try:
-            for spec in specs:
-                kinds = sampled_kinds(spec)
-                if kinds is not None:
-                    sampled.append(kinds)
-                else:
-                    parse_fault(spec)  # an unknown kind is an error now, not at the first run
-                    named.append(spec)
+            faults_of_specs(specs, 0)  # an unknown kind is an error now, not at the first run
         except UnknownFaultError as e:
             raise UsageError(str(e)) from None
         own = self.faults
 
         def plan(seed: int) -> FaultPlan:
             base = own(seed)
-            # Fresh Fault objects each run: a fault counts its hits.
-            drawn = [f for kinds in sampled for f in FaultPlan.sampled(seed, list(kinds)).faults]
-            return FaultPlan([*(base.faults if base else []), *map(parse_fault, named), *drawn], seed)
+            return FaultPlan([*(base.faults if base else []), *faults_of_specs(specs, seed)], seed)
 
         return dataclasses.replace(self, faults=plan, fault_specs=(*self.fault_specs, *specs))
 

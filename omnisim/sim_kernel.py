@@ -575,7 +575,6 @@ class SimKernel:
                 self._emit(me, "fault", {"kind": fault.kind, "at": name, **where})
                 error = fault.exception(name, attrs)
                 if error is not None:
-                    error.injected_fault = fault.kind  # type: ignore[attr-defined]  # (what a check may tell from a slip)
                     raise error
                 assert self.fault_action is not None, f"fault {fault.kind} needs a world to act it out"
                 self.fault_action(fault, me, attrs)

@@ -2,12 +2,16 @@
 
 Requests come from ``concurrency`` clients at once; about 15 % are aborted at a random moment
 (the client stops listening), about 10 % reuse an id right after it ended, and — with
-``kill_every`` — a random stage process is SIGKILLed every so many seconds. Every request is
-checked: exactly one terminal; a completed request's audio is, sample for sample, that of its
-text run alone; a failed one failed because a stage died (and only while one was down), or
+``kill_every`` — a random stage process is SIGKILLed every so many seconds; with ``faults``
+(``--fault``, ``--faults sampled``; the stages in one process) the connectors' puts and gets meet
+the storage and decode failures the simulator injects, raised by
+:class:`~omnisim.faults.FaultingKernel`. Every request is checked: exactly one terminal; a
+completed request's audio is, sample for sample, that of its text run alone; a failed one failed
+because a stage died (and only while one was down), because a fault struck one of its chunks, or
 because it was aborted. At the end nothing may be left: no name in /dev/shm of the engine's
 namespaces, no per-request state in any stage. Figures: requests/s, latency percentiles,
-restarts, each stage process's memory (RSS) growth over the second half of the run.
+restarts, faults injected, each stage process's memory (RSS) growth over the second half of the
+run.
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import trio
 
+from omnisim.faults import FaultingKernel, FaultPlan, faults_of_specs
 from runtime.client import generate
 from runtime.config.pipeline import load_pipeline
+from runtime.connectors.keys import external_id_of
 from runtime.connectors.posix_store import PosixStore
+from runtime.kernel import use_kernel
 from runtime.orchestrator import Orchestrator
 from runtime.pipeline import Models, build_engine
 from runtime.process_stage import ProcessStage
@@ -54,6 +62,8 @@ class SoakReport:
     problems: list[str] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)
     kills: int = 0
+    #: Faults injected into puts and gets (``faults``).
+    faults_fired: int = 0
     seconds: float = 0.0
     restarts: dict[str, int] = field(default_factory=dict)
     #: None: the stage's last process was too young at the end to say (see ``RSS_WARM_UP_S``).
@@ -75,6 +85,7 @@ class SoakReport:
             "requests_per_s": round(self.requests / self.seconds, 2) if self.seconds else None,
             "latency": _percentiles(self.latencies_s),
             "kills": self.kills,
+            "faults_fired": self.faults_fired,
             "death_noticed": _percentiles(self.noticed_s, (50, 100)),
             "back_ready": _percentiles(self.back_s, (50, 100)),
             "restarts": self.restarts,
@@ -128,10 +139,18 @@ def soak(
     abort_fraction: float = 0.15,
     reuse_fraction: float = 0.10,
     seed: int = 0,
+    faults: Sequence[str] = (),
+    fault_probability: float = 0.2,
     progress: Any = None,
 ) -> SoakReport:
+    """``faults``: fault specs (see :func:`~omnisim.faults.faults_of_specs`; a sampled kind fires
+    on a hit with ``fault_probability``), which need the stages in this process."""
+    if faults and processes:
+        raise ValueError("faults fire in the process that puts or gets: the stages must run in this one")
     rng = random.Random(seed)
     report = SoakReport()
+    # No plan until the solo runs are done: they are the reference the requests are checked against.
+    kernel = FaultingKernel()
     store = PosixStore()
     engine = build_engine(load_pipeline("qwen3_omni"), Models.build(), store, processes=processes)
     stages = [s for s in engine.stages.values() if isinstance(s, ProcessStage)]
@@ -152,7 +171,7 @@ def soak(
             reuse = previous is not None and rng.random() < reuse_fraction
             rid = previous if reuse and previous is not None else f"s{c}x{n}"
             leave_after = rng.randrange(1, 6) if rng.random() < abort_fraction else None
-            begun = time.perf_counter()
+            begun, since = time.perf_counter(), kernel.now()
             terminals, audio, error, outputs = 0, [], None, 0
             answer = generate(engine, text, ("audio",), request_id=rid)
             async for item in answer:
@@ -189,6 +208,8 @@ def soak(
                 report.outcomes["failed: its stage died"] += 1
             elif "is down" in error:
                 report.outcomes["failed: a stage was restarting"] += 1
+            elif any(external_id_of(key) == rid and at >= since for _, key, at in kernel.fired):
+                report.outcomes["failed: an injected fault"] += 1
             else:
                 report.problems.append(f"{rid}: failed for no stage death: {error}")
             previous = rid
@@ -233,6 +254,8 @@ def soak(
             nursery.start_soon(engine.run)
             await engine.wait_ready()
             reference = await _reference(engine)
+            if faults:
+                kernel.plan = FaultPlan(faults_of_specs(faults, seed, fault_probability), seed)
             async with trio.open_nursery() as work:
                 for c in range(concurrency):
                     work.start_soon(client, c, reference)
@@ -245,9 +268,11 @@ def soak(
             engine.shutdown()
 
     try:
-        trio.run(main)
+        with use_kernel(kernel):
+            trio.run(main)
     finally:
         store.sweep()
+    report.faults_fired = len(kernel.fired)
     report.seconds = time.perf_counter() - started
     report.requests = requests
     report.restarts = {s.spec.name: s.restarts for s in stages}
@@ -272,7 +297,7 @@ def print_report(report: SoakReport, out: Any = sys.stdout) -> None:
     d = report.as_dict()
     print(
         f"{d['requests']} requests in {report.seconds:.1f}s ({d['requests_per_s']}/s): {d['outcomes']}; "
-        f"{d['kills']} stage(s) killed, restarts {d['restarts']}",
+        f"{d['kills']} stage(s) killed, restarts {d['restarts']}, {d['faults_fired']} fault(s) injected",
         file=out,
     )
     print(

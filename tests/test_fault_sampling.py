@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import trio
 
 from omnisim import registry
 from omnisim.cli import main
@@ -71,3 +72,55 @@ def test_a_fault_from_the_command_line_fires_in_a_scenario_that_injects_its_own(
     res = run(scenario, faults=["put_fail"])
     fired = [line for line in res.trace_lines if '"ev":"fault"' in line]
     assert any('"kind":"put_fail"' in line for line in fired), fired
+
+
+# == faults in a production run ===================================================================
+
+
+def test_a_soak_with_injected_faults_fails_only_the_struck_requests_and_leaves_nothing() -> None:
+    """The real engine (real kernel, /dev/shm, torch) meets the storage and decode failures the
+    simulator injects: each request a fault struck fails with one terminal, every other one
+    finishes with its solo run's audio, and nothing is left."""
+    from omnisim.soak import clean, soak
+
+    faults = ["sampled:put_fail,decode_fail,foreign_name"]
+    report = soak(12, 4, processes=False, kill_every=None, seed=1, faults=faults, fault_probability=0.05)
+    assert report.faults_fired > 0
+    assert report.outcomes["failed: an injected fault"] > 0 and report.outcomes["finished"] > 0
+    assert clean(report), report.as_dict()
+
+
+def test_a_fault_spec_fires_on_the_hit_it_names() -> None:
+    from omnisim.faults import FaultingKernel, FaultPlan, faults_of_specs
+    from runtime.connectors.stores import StoreFull
+
+    kernel = FaultingKernel(FaultPlan(faults_of_specs(["store_full@key=R_0_1#2"], 0)))
+
+    async def puts() -> list[str]:
+        seen = []
+        for key in ("R_0_0", "R_0_1", "R_0_1", "R_0_1"):
+            try:
+                await kernel.point("shm.put.locked", key=key)
+                seen.append("ok")
+            except StoreFull as e:
+                assert e.injected_fault == "store_full"  # type: ignore[attr-defined]
+                seen.append("full")
+        return seen
+
+    assert trio.run(puts) == ["ok", "ok", "full", "ok"]
+    assert [(kind, key) for kind, key, _ in kernel.fired] == [("store_full", "R_0_1")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--fault", "crash_writer"], "acted out by the simulator's world"),
+        (["--faults", "sampled:put_fail,stall"], "stall is acted out"),
+        (["--fault", "meteor"], "unknown fault kind"),
+        (["--fault", "put_fail", "--processes"], "not with --processes"),
+        (["--faults", "sampled", "--fault-probability", "2"], "a probability is 0..1"),
+    ],
+)
+def test_a_soak_refuses_faults_it_cannot_inject(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["soak", "--requests", "1", *argv]) == 2
+    assert says in capsys.readouterr().err
