@@ -25,10 +25,11 @@ Then the requests. A scenario's clients (:class:`scenarios.pipeline.Client`: the
 pipeline, stage-crash and hostile-request scenarios) are each a whole request the run may leave
 out: a left-out client submits nothing and nothing checks it, and a helper that waits on it (an
 abort once it is submitted) does nothing either. The shrinker leaves out one client at a time,
-the last made first, keeping each one whose run still fails, then shrinks the schedule again; the
-artifact records the clients left out (``left_out``) and replay leaves them out too. The other
-scenarios' requests are fixed parts of their world (an edge's producer and consumer, a race's two
-generations): they are not shrunk.
+the last made first, keeping each one whose run still fails: before the schedule (every later run
+is then of a smaller world, and quicker) and again after the faults, each time followed by the
+schedule again. The artifact records the clients left out (``left_out``) and replay leaves them
+out too. The other scenarios' requests are fixed parts of their world (an edge's producer and
+consumer, a race's two generations): they are not shrunk.
 """
 
 from __future__ import annotations
@@ -304,6 +305,8 @@ async def shrink(
         return Shrunk(found, [], 0, 0, preempted, preempted, faulted, faulted, shrinker.runs, clients, clients)
     best = _Best(following.taken(), first, left_out=left_out)
     deviated = deviations(best.prefix)
+    # Fewer requests first: every later run is of a smaller world, and quicker.
+    await shrinker.clients(best)
     await shrinker.schedule(best)
     if await shrinker.fix_faults(best):
         # Each pass ends where it can do no more; the other may then find more to do.
