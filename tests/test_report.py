@@ -56,6 +56,19 @@ def test_the_page_shows_the_violation_with_its_timeline(artifact: Path, tmp_path
     assert "<script" not in text and "http" not in text.replace("ui.perfetto.dev", "")  # self-contained
 
 
+def test_the_page_names_the_requests_a_shrink_left_out(artifact: Path, tmp_path: Path) -> None:
+    """A reader of the page must know the run's world: the requests the shrinker left out."""
+    shrunk = tmp_path / artifact.name
+    shutil.copy(artifact, shrunk)
+    shutil.copy(
+        str(artifact).removesuffix(".json") + ".trace.jsonl", str(shrunk).removesuffix(".json") + ".trace.jsonl"
+    )
+    shrunk.write_text(json.dumps(json.loads(artifact.read_text()) | {"left_out": ["plain", "timed"]}))
+    page = tmp_path / "index.html"
+    assert main(["report", str(shrunk), "-o", str(page)]) == 0
+    assert "Requests the shrinker left out: plain, timed." in page.read_text()
+
+
 def test_the_perfetto_export_has_a_thread_per_task_and_every_event(artifact: Path, tmp_path: Path) -> None:
     out = tmp_path / "run.perfetto.json"
     assert main(["trace", "export", "--perfetto", str(artifact), "-o", str(out)]) == 0

@@ -142,9 +142,11 @@ def _violation_section(artifact_path: str) -> str:
     png = base64.b64encode(draw(events, title)).decode()
     found = "".join(f"<li><b>{_esc(v['invariant'])}</b>: {_esc(v['message'])}</li>" for v in artifact["violations"])
     tail = "\n".join(f"{e.index:>5} {e.task:<24} {e.name} {json.dumps(e.attrs)}" for e in events[-40:])
+    left_out = artifact.get("left_out") or []
+    smaller = f" Requests the shrinker left out: {_esc(', '.join(left_out))}." if left_out else ""
     return (
         f"<h3>{_esc(title)}{' with mutant ' + _esc(artifact['mutant']) if artifact.get('mutant') else ''}</h3>"
-        f"<ul>{found}</ul><p>{len(events)} events, {len(preemptions(events))} preemptions. Replay: "
+        f"<ul>{found}</ul><p>{len(events)} events, {len(preemptions(events))} preemptions.{smaller} Replay: "
         f"<code>omnisim replay {_esc(artifact_path)}</code></p>"
         f'<img class="timeline" alt="timeline of {_esc(title)}" src="data:image/png;base64,{png}">'
         f"<details><summary>the last 40 events</summary><pre>{_esc(tail)}</pre></details>"
