@@ -126,6 +126,9 @@ def good_payloads() -> dict[str, object]:
             (1, "tuple key"): [None, True, 1.5, "é✓", b"\x00\xff"],
             "extremes": [2**63 - 1, -(2**63), 2**64 - 1],
         },
+        # The 8-byte prefix and a 56-byte header (msgpack's str8: 2 bytes, then 54 characters)
+        # end exactly where the frame's body does: no padding, no buffer after them.
+        "a header that ends where the body does": "h" * 54,
     }
 
 

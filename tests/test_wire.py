@@ -291,6 +291,14 @@ def test_scalar_and_falsy_round_trip(obj: object) -> None:
     assert_same(round_trip(obj), obj)
 
 
+def test_a_header_of_every_length_round_trips() -> None:
+    """Wherever the header ends (a whole line with no padding after it, or one byte either side),
+    with and without a buffer after it."""
+    for n in range(200):
+        for obj in ("h" * n, {"s": "h" * n, "t": torch.arange(3)}):
+            assert_same(round_trip(obj), obj)
+
+
 def test_same_tensor_twice_is_carried_twice() -> None:
     t = torch.arange(4)
     got = round_trip([t, t])
