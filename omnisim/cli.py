@@ -213,6 +213,15 @@ def shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
+def _add_faults(sp: argparse.ArgumentParser, named: str, sampled: str) -> None:
+    """``--fault`` (help ``named``) and ``--faults sampled`` (help ``sampled``), both collected in
+    ``args.fault`` as the specs :func:`omnisim.faults.faults_of_specs` reads."""
+    sp.add_argument("--fault", action="append", default=[], metavar="KIND[@NAME=VALUE,...][#N]", help=named)
+    sp.add_argument(
+        "--faults", action="append", dest="fault", type=_sampled, metavar="sampled[:KIND,...]", help=sampled
+    )
+
+
 def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--strategy",
@@ -221,21 +230,11 @@ def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
         help="how schedules are chosen (default: %(default)s)",
     )
     sp.add_argument("--mutant", help="apply a mutant (a re-created historic bug; `omnisim list mutants`)")
-    sp.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="KIND[@NAME=VALUE,...][#N]",
-        help="inject a fault in every run, besides the scenario's own (repeatable): KIND at its point, on the "
+    _add_faults(
+        sp,
+        "inject a fault in every run, besides the scenario's own (repeatable): KIND at its point, on the "
         "N-th hit whose attributes match, e.g. put_fail@key=R_0_3 or decode_fail#2 (`omnisim list faults`)",
-    )
-    sp.add_argument(
-        "--faults",
-        action="append",
-        dest="fault",
-        type=_sampled,
-        metavar="sampled[:KIND,...]",
-        help="BUGGIFY: in each run, every KIND (default: the storage failures) is active with probability 1/2 "
+        "BUGGIFY: in each run, every KIND (default: the storage failures) is active with probability 1/2 "
         "and, if active, fires on each hit with probability 1/5, drawn from the run's seed (so replay repeats it)",
     )
     sp.add_argument(
@@ -578,8 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "soak",
         help="many requests through the real engine, with aborts, reused ids and killed stages",
-        description="Send --requests requests through the real engine, --concurrency at a time: about 15%% are "
-        "aborted at a random moment, about 10%% reuse an id right after it ended, and with --kill-every a random "
+        description="Send --requests requests through the real engine, --concurrency at a time: about 15% are "
+        "aborted at a random moment, about 10% reuse an id right after it ended, and with --kill-every a random "
         "stage process is SIGKILLed that often; with --fault or --faults the puts and gets meet injected storage "
         "and decode failures. Every request is checked (one terminal; a finished one's audio equals its text run "
         "alone; a failed one failed for a death or a fault that struck it); at the end nothing may be left. Exit 1 "
@@ -597,21 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--seed", type=int, default=0, help="for the aborts, reuses, kills and faults (default: %(default)s)"
     )
-    sp.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="KIND[@NAME=VALUE,...][#N]",
-        help="inject a fault that raises into the connectors' puts and gets, on the N-th hit of its point whose "
+    _add_faults(
+        sp,
+        "inject a fault that raises into the connectors' puts and gets, on the N-th hit of its point whose "
         "attributes match (repeatable; stages in this process only; `omnisim list faults`)",
-    )
-    sp.add_argument(
-        "--faults",
-        action="append",
-        dest="fault",
-        type=_sampled,
-        metavar="sampled[:KIND,...]",
-        help="BUGGIFY: every KIND (default: the storage failures) is active with probability 1/2 (drawn from --seed) "
+        "BUGGIFY: every KIND (default: the storage failures) is active with probability 1/2 (drawn from --seed) "
         "and, if active, fires on each hit with --fault-probability",
     )
     sp.add_argument(
