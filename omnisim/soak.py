@@ -140,7 +140,7 @@ def soak(
     reuse_fraction: float = 0.10,
     seed: int = 0,
     faults: Sequence[str] = (),
-    fault_probability: float = 0.2,
+    fault_probability: float = 0.001,
     progress: Any = None,
 ) -> SoakReport:
     """``faults``: fault specs (see :func:`~omnisim.faults.faults_of_specs`; a sampled kind fires
