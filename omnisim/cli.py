@@ -996,9 +996,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif args.what == "faults":
         from omnisim.faults import FAULT_KINDS, SAMPLED_KINDS
 
+        raising = "raises an error there (in a simulated run, and in `omnisim soak`)"
+        acted = "acted out on the simulated world (see faults.py)"
         rows = [
-            (kind, f"at {point}: " + ("raises an error there" if raises else "acted out on the world (see faults.py)"))
-            for kind, (point, raises) in FAULT_KINDS.items()
+            (kind, f"at {point}: " + (raising if raises else acted)) for kind, (point, raises) in FAULT_KINDS.items()
         ]
         rows.append(("sampled", f"--faults sampled[:KIND,...]: BUGGIFY over {', '.join(SAMPLED_KINDS)} by default"))
     else:
