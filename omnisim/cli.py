@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples(
             "omnisim explore id_reuse_after_cancel --strategy pct --budget 200",
             "omnisim explore similar_ids --mutant prefix_cleanup --budget 50",
-            "omnisim explore id_reuse_after_cancel --strategy dfs --preemptions 2",
+            "omnisim explore id_reuse_after_cancel --strategy dfs --delays 2",
+            "omnisim explore abort_during_put --strategy dfs --preemptions 2 --mutant cleanup_waits_for_io",
             "omnisim explore --all --budget 100 --json",
         ),
     )
@@ -317,14 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"at most {DFS_BUDGET:,})",
     )
     sp.add_argument("--time", type=positive_float, metavar="SECONDS", help="stop each scenario after this long")
-    sp.add_argument(
+    bound = sp.add_mutually_exclusive_group()
+    bound.add_argument(
         "--delays",
-        "--preemptions",
         type=non_negative_int,
         default=2,
         metavar="N",
-        help="dfs: every schedule that strays at most N from the default one (a preemption costs at least 1; "
-        "default: %(default)s)",
+        help="dfs: every schedule that strays at most N from the default one, taking a decision's k-th "
+        "candidate costing k (default: %(default)s)",
+    )
+    bound.add_argument(
+        "--preemptions",
+        type=non_negative_int,
+        metavar="N",
+        help="dfs: every schedule that makes at most N choices the default would not make, whichever task each "
+        "takes (more schedules than --delays N, and bugs that need a switch to a task far down the order)",
     )
     sp.add_argument(
         "--check-determinism",
@@ -930,6 +938,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "faults": args.fault,
         "determinism_every": args.check_determinism,
         "delays": args.delays,
+        "preemptions": args.preemptions,
         "shrink_finds": args.shrink,
         "hypothesis_db": args.hypothesis_db or None,
     }

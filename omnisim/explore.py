@@ -26,7 +26,7 @@ from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
 from omnisim.shrink import Shrunk, shrink
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
-from omnisim.strategies.dfs import DfsSearch, DfsStrategy
+from omnisim.strategies.dfs import Bound, DfsSearch, DfsStrategy
 from omnisim.strategies.hypothesis import SCHEDULES, HypothesisStrategy
 from omnisim.strategies.ordered import OrderedStrategy
 from omnisim.strategies.pct import DEFAULT_MAX_STEPS, PctStrategy
@@ -343,6 +343,7 @@ def explore(
     delays: int = 2,
     shrink_finds: bool = True,
     hypothesis_db: str | None = None,
+    preemptions: int | None = None,
 ) -> ExploreResult:
     """Run up to ``budget`` schedules (seeds ``seed``, ``seed+1``, …); stop at the first violation
     and save it as an artifact in ``out_dir``. Ctrl-C raises :class:`Interrupted`.
@@ -352,7 +353,9 @@ def explore(
     names the first diverging event (not for ``hypothesis``).
 
     ``dfs`` runs every schedule of seed ``seed``'s world that strays at most ``delays`` from
-    the default schedule, depth first; :attr:`ExploreResult.exhausted` says it ran them all.
+    the default schedule (with ``preemptions``: that makes at most that many choices the default
+    would not make, whichever task each takes; see :class:`~omnisim.strategies.dfs.Bound`), depth
+    first; :attr:`ExploreResult.exhausted` says it ran them all.
 
     A random, PCT or ordered find that is saved (``out_dir``) is shrunk first (``shrink_finds``, see
     :mod:`omnisim.shrink`): the artifact is the smallest failing schedule of the same world.
@@ -397,7 +400,7 @@ def explore(
                 on_schedule,
                 stop_on_violation,
                 determinism_every,
-                delays,
+                Bound(preemptions, "preemptions") if preemptions is not None else Bound(delays),
                 shrink_finds,
             )
     result.seconds = time.perf_counter() - start
@@ -428,13 +431,13 @@ def _explore_schedules(
     on_schedule: OnSchedule | None,
     stop_on_violation: bool,
     determinism_every: int,
-    delays: int,
+    bound: Bound,
     shrink_finds: bool,
 ) -> None:
     strategy, store, mutant, budget = result.strategy, result.store, result.mutant, result.budget
     start = time.perf_counter()
 
-    search = DfsSearch(delays) if strategy == "dfs" else None
+    search = DfsSearch(bound) if strategy == "dfs" else None
 
     def next_schedule(i: int, decisions: int | None) -> tuple[int, Callable[[], Strategy]] | None:
         """Schedule ``i``'s seed and a maker of its strategy (a second run needs a fresh one);
@@ -446,7 +449,7 @@ def _explore_schedules(
         if execution is None:
             return None
         # One world, one seed: the search is over the schedules of that world.
-        return seed, lambda: DfsStrategy(execution.prefix, execution.delays)
+        return seed, lambda: DfsStrategy(execution.prefix, execution.bound)
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from omnisim.faults import Fault
 from omnisim.report.timeline import Event, preemptions
-from omnisim.strategies.dfs import DfsStrategy
+from omnisim.strategies.dfs import Bound, DfsStrategy
 
 if TYPE_CHECKING:
     from omnisim.explore import RunResult
@@ -69,7 +69,7 @@ class _Following(DfsStrategy):
     name = "shrink"
 
     def __init__(self, tids: list[int]) -> None:
-        super().__init__([], 0, lenient=True)
+        super().__init__([], Bound(0), lenient=True)
         self.tids = tids
 
     def index(self, order: list[SimTask]) -> int:
@@ -239,7 +239,7 @@ class _Shrinker:
             for prefix, faults, left_out in candidates(best):
                 if self.spent():
                     break
-                strategy = DfsStrategy(prefix, sum(prefix), lenient=True)
+                strategy = DfsStrategy(prefix, Bound(sum(prefix)), lenient=True)
                 res = await self.failing(strategy, faults, left_out)
                 if res is not None and smaller(strategy):
                     best.take(strategy, res)
@@ -261,7 +261,7 @@ class _Shrinker:
         faults = fired_faults(best.run)
         if not any(fault.added for fault in faults) or self.spent():
             return False
-        strategy = DfsStrategy(best.prefix, sum(best.prefix), lenient=True)
+        strategy = DfsStrategy(best.prefix, Bound(sum(best.prefix)), lenient=True)
         res = await self.failing(strategy, faults, best.left_out)
         if res is None:  # the faults did not come out the same: keep the world's own plan
             return False

@@ -118,3 +118,14 @@ def test_dfs_exhausts_a_small_scenario_and_its_finds_replay(tmp_path: Path) -> N
     assert found.first_violation_after is not None and not found.exhausted
     assert "liveness" in found.invariants()
     assert replay(found.violations[0]["artifact"]).reproduced
+
+
+def test_a_preemption_bound_reaches_what_the_same_delay_bound_cannot() -> None:
+    """cleanup_waits_for_io needs the abort to run while the put is in flight: one switch to a task
+    far down the order, which costs 4 delays but 1 preemption. Within 2 delays every schedule
+    holds; within 2 preemptions (a larger space: each non-default choice costs 1) one fails."""
+    delays = explore("abort_during_put", strategy="dfs", delays=2, budget=5000, mutant="cleanup_waits_for_io")
+    assert delays.exhausted and delays.first_violation_after is None
+    preemptions = explore("abort_during_put", strategy="dfs", preemptions=2, budget=5000, mutant="cleanup_waits_for_io")
+    assert preemptions.first_violation_after is not None
+    assert "abort-non-blocking" in preemptions.invariants()

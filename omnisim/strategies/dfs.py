@@ -2,12 +2,19 @@
 from the default schedule — a search that ends, and then says so.
 
 The *default* choice keeps running the task that ran last, or, when it blocked or finished, runs
-the lowest-numbered runnable task. Each decision orders its candidates default first, and taking
-the k-th costs k (delay bounding, Emmi, Qadeer and Rakamarić 2011): preempting a running task
-costs at least one, and so does any switch the default would not make. CHESS's preemption bound
-leaves the switches at blocking points free, which multiplies out (about 50,000 schedules of
-``abort_during_put`` within 2 preemptions did not finish); with delays, a bound of 2 on its 36
-decisions is about 700 schedules. Most concurrency bugs need very few such deviations.
+the lowest-numbered runnable task. Each decision orders its candidates default first, and a
+:class:`Bound` says what taking the k-th costs:
+
+- ``delays`` (the default): k (delay bounding, Emmi, Qadeer and Rakamarić 2011). Preempting a
+  running task costs at least one, and so does any switch the default would not make; reaching a
+  task far down the order costs more. ``abort_during_put`` within 2 delays: 636 schedules.
+- ``preemptions``: 1, whichever task it takes: every switch the default would not make counts
+  once, as CHESS counts a preemption. CHESS leaves the choice at a blocking point free, which
+  multiplies out (about 50,000 schedules of ``abort_during_put`` within 2 did not finish); here
+  such a choice counts too, and 2 of them are 2,360 schedules, among which are bugs that 2 delays
+  cannot reach (``cleanup_waits_for_io`` needs 4 delays, and one preemption to the right task).
+
+Most concurrency bugs need very few such deviations.
 
 The search lives across executions, as shuttle's schedulers do: :class:`DfsSearch` hands out
 the next schedule as a *prefix* (the choice to take at each of the first decisions; after the
@@ -29,17 +36,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """How far a schedule may stray from the default one: at most ``limit``, a decision that takes
+    its k-th candidate (the default is the 0th) counting k (``delays``) or 1 (``preemptions``)."""
+
+    limit: int = 2
+    kind: str = "delays"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("delays", "preemptions"):
+            raise ValueError(f"a dfs bound counts delays or preemptions, not {self.kind!r}")
+
+    def cost(self, index: int) -> int:
+        """What taking a decision's ``index``-th candidate costs."""
+        return index if self.kind == "delays" else min(index, 1)
+
+
+@dataclass(frozen=True)
 class Decision:
     """One decision of an execution: its candidates (task ids, the default first) and which
     one was taken."""
 
     order: tuple[int, ...]
     chosen: int
-    #: What the execution strayed before this decision (the sum of the indices it took).
-    delays_before: int
-
-    def delays_with(self, index: int) -> int:
-        return self.delays_before + index
+    #: What the execution strayed before this decision (the cost of every choice it made).
+    spent_before: int
 
 
 class DfsStrategy(Strategy):
@@ -47,18 +68,19 @@ class DfsStrategy(Strategy):
 
     name = "dfs"
 
-    def __init__(self, prefix: list[int], delays: int, *, lenient: bool = False) -> None:
+    def __init__(self, prefix: list[int], bound: Bound, *, lenient: bool = False) -> None:
         """``lenient``: a prefix index past a decision's candidates takes the default instead of
         failing (a shrinker's edited prefix may no longer fit the decisions it changed)."""
         self.prefix = prefix
-        self.delays = delays
+        self.bound = bound
         self.lenient = lenient
         self.decisions: list[Decision] = []
 
     def choose(self, candidates: list[SimTask]) -> SimTask:
         order = default_order(candidates, self.current)
         index = self.index(order)
-        before = self.decisions[-1].delays_with(self.decisions[-1].chosen) if self.decisions else 0
+        last = self.decisions[-1] if self.decisions else None
+        before = last.spent_before + self.bound.cost(last.chosen) if last is not None else 0
         self.decisions.append(Decision(tuple(t.tid for t in order), index, before))
         return order[index]
 
@@ -83,26 +105,28 @@ class DfsStrategy(Strategy):
         return taken
 
     def describe(self) -> dict[str, object]:
-        return {"strategy": self.name, "delays": self.delays, "prefix": self.prefix}
+        return {"strategy": self.name, self.bound.kind: self.bound.limit, "prefix": self.prefix}
 
 
 class DfsSearch:
-    """Which schedule comes next, until every one within ``delays`` has run."""
+    """Which schedule comes next, until every one within ``bound`` has run."""
 
-    def __init__(self, delays: int) -> None:
-        self.delays = delays
+    def __init__(self, bound: Bound) -> None:
+        self.bound = bound
         self._last: list[Decision] | None = None
 
     def next_execution(self) -> DfsStrategy | None:
         """The next schedule to run; None once the bounded space is exhausted."""
         if self._last is None:
-            return DfsStrategy([], self.delays)
+            return DfsStrategy([], self.bound)
         for depth in range(len(self._last) - 1, -1, -1):
             decision = self._last[depth]
-            # Indices only grow along a decision's candidates, and so does their cost.
-            if decision.chosen + 1 < len(decision.order) and decision.delays_with(decision.chosen + 1) <= self.delays:
-                prefix = [d.chosen for d in self._last[:depth]] + [decision.chosen + 1]
-                return DfsStrategy(prefix, self.delays)
+            # Indices only grow along a decision's candidates, and their cost never falls.
+            following = decision.chosen + 1
+            affordable = decision.spent_before + self.bound.cost(following) <= self.bound.limit
+            if following < len(decision.order) and affordable:
+                prefix = [d.chosen for d in self._last[:depth]] + [following]
+                return DfsStrategy(prefix, self.bound)
         return None
 
     def record(self, execution: DfsStrategy) -> None:
