@@ -29,7 +29,11 @@ def fingerprint(obj: object, depth: int = DEPTH) -> Hashable:
     the same types all the way down (``depth`` levels of containers), tensors and arrays of the
     same dtype, shape and bytes."""
     if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
-        data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        # A conjugate or negative view's bytes are not its values until it is resolved.
+        flat = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        if flat.numel() == 1:  # (a one-element view counts as contiguous with any stride: copy it)
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        data = flat.view(torch.uint8).numpy()
         return ("tensor", str(obj.dtype), tuple(obj.shape), xxhash.xxh3_64_intdigest(data))
     if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)

@@ -117,10 +117,18 @@ TENSOR_DTYPES = (
 def good_payloads() -> dict[str, object]:
     """Payloads on the edge of what the wire carries, each of which must come back unchanged."""
     grid = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    waves = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
     return {
         "every tensor dtype": {str(dtype): torch.arange(6).reshape(2, 3).to(dtype) for dtype in TENSOR_DTYPES},
         "empty and zero-dimensional tensors": {"empty": torch.zeros(0, 3), "scalar": torch.tensor(5)},
         "strided views": {"transposed": grid.t(), "every other column": grid[:, ::2]},
+        # Views whose bytes are not their values: torch resolves a conjugate or negative bit lazily
+        # (one element: a view that counts as contiguous too).
+        "conjugate and negative views": {
+            "conjugate": waves.conj(),
+            "negative": waves.conj().imag,
+            "one negative element": waves[1:2].conj().imag,
+        },
         "ndarrays": {"f8": np.arange(6.0).reshape(2, 3), "u2": np.arange(4, dtype="<u2"), "empty": np.zeros(0)},
         "plain values": {
             (1, "tuple key"): [None, True, 1.5, "é✓", b"\x00\xff"],

@@ -79,3 +79,12 @@ async def test_a_get_that_hands_out_what_no_put_sent_is_reported(monkeypatch: py
 
 async def _with_tuples(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "meta": {**payload["meta"], "ids": tuple(payload["meta"]["ids"])}}
+
+
+def test_views_whose_bytes_are_not_their_values_have_the_fingerprint_of_their_values() -> None:
+    """A conjugate or negative view (torch resolves the bit lazily) and a one-element view with an
+    odd stride: the watch once raised on each, which looked like the put raising."""
+    waves = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1)
+    for view in (waves.conj(), waves.conj().imag, waves[1:2].conj().imag, waves.imag[1:2]):
+        assert fingerprint(view) == fingerprint(view.resolve_conj().resolve_neg().clone())
+        assert fingerprint(view) == fingerprint(decode(encode(view)))
