@@ -136,10 +136,14 @@ async def os_errors(world: World) -> None:
     failing = FailingOs(function, error, nth)
     talker, code2wav = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
     posix_store.os = failing  # type: ignore[assignment]
+    # Each payload stays alive until the end: freed after its put, its memory would be what the
+    # get's new tensor is given, already holding the right values, and a read that filled half of
+    # it would pass for a whole one.
+    sent = {key: payload(key) for key in CHUNKS}
     try:
         for key in CHUNKS:
             struck, faults = failing.fired, len(world.fired_faults())
-            put = await _outcome(lambda key=key: talker.put(*EDGE, key, payload(key)))  # type: ignore[misc]
+            put = await _outcome(lambda key=key: talker.put(*EDGE, key, sent[key]))  # type: ignore[misc]
             put_struck = failing.fired and not struck
             want = f"ok, or a failure naming {NAMED[error]!r} and {key!r}" if put_struck else "ok"
             named = NAMED[error] in put and repr(key) in put
