@@ -223,7 +223,7 @@ class _Shrinker:
         return self.runs >= self._max_runs or time.perf_counter() > self._deadline
 
     async def failing(
-        self, strategy: DfsStrategy, faults: list[Fault] | None, left_out: frozenset[str] = frozenset()
+        self, strategy: DfsStrategy, faults: list[Fault] | None, left_out: frozenset[str]
     ) -> RunResult | None:
         """The run of ``strategy`` with ``faults``, leaving out ``left_out``, if it still fails."""
         res = await self._run(strategy, faults, left_out)

@@ -153,7 +153,7 @@ async def os_errors(world: World) -> None:
             # (``faults`` is not counted again: a get after a put an injected fault struck, which may
             # have left a torn frame, is the other invariants' to judge too)
             struck = failing.fired
-            taken = await _taken(code2wav, key)
+            taken = await _taken(code2wav, key, sent[key])
             get_struck = failing.fired and not struck
             if put != "ok":
                 want = "nothing"
@@ -161,7 +161,7 @@ async def os_errors(world: World) -> None:
                 # (a get that could not look answers nothing now: the chunk is there for the next)
                 want = f"{ROUND_TRIP} (now or at the next get), or a corrupt chunk naming {key} and {NAMED[error]!r}"
                 if taken == "nothing":
-                    taken = await _taken(code2wav, key)
+                    taken = await _taken(code2wav, key, sent[key])
                 named = taken.startswith(f"corrupt: corrupt chunk {key}: ") and NAMED[error] in taken
                 taken = want if taken == ROUND_TRIP or named else taken
             else:
@@ -186,7 +186,8 @@ async def _outcome(call: Callable[[], Any]) -> str:
     return "ok" if ok else str((result.metadata or {}).get("error"))
 
 
-async def _taken(code2wav: Any, key: str) -> str:
+async def _taken(code2wav: Any, key: str, sent: dict[str, torch.Tensor]) -> str:
+    """How the get of ``key`` went: the round trip of ``sent``, nothing, a corrupt chunk, or a raw error."""
     try:
         taken = await code2wav.get(*EDGE, key)
     except CorruptChunk as e:
@@ -196,7 +197,7 @@ async def _taken(code2wav: Any, key: str) -> str:
     if taken is None:
         return "nothing"
     got = taken[0].get("codes") if isinstance(taken[0], dict) else None
-    return ROUND_TRIP if isinstance(got, torch.Tensor) and torch.equal(got, payload(key)["codes"]) else repr(got)[:80]
+    return ROUND_TRIP if isinstance(got, torch.Tensor) and torch.equal(got, sent["codes"]) else repr(got)[:80]
 
 
 # == the store's own calls =========================================================================
