@@ -46,7 +46,10 @@ def _lent_task_group(sender: Sender) -> KTaskGroup | None:
     "num_puts_after_success",
     summary="record the key range only after a successful put: the raced or raised key escapes the reclaim",
     issue="#8082 (a)",
-    scenarios=("terminal_success_vs_failure", "abort_during_put"),
+    # Not abort_during_put: an abort leaves a generation whose put is in flight to that put,
+    # which retires it once the put returned, and by then either order has recorded the key.
+    # Only a put that raises after making its key (that scenario's fault) lets it escape.
+    scenarios=("terminal_success_vs_failure",),
     expect=("no-orphan-shm",),
 )
 def num_puts_after_success() -> Iterator[Patch]:
