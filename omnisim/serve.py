@@ -2,8 +2,9 @@
 
 Hypercorn's trio worker serves the ASGI application (:mod:`runtime.serving.http`) in the same
 loop as the engine, so requests and stages meet through the kernel seam with no thread or queue
-between them. Ctrl-C or SIGTERM stops it gracefully: the listener closes, requests in flight end
-with an error terminal, the stages stop, and the store is swept.
+between them. Ctrl-C or SIGTERM stops it gracefully: requests in flight end with an error
+terminal (a stream's last event says so), the listener closes, the stages stop, and the store is
+swept.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def serve(args: argparse.Namespace) -> int:
             async def on_signal() -> None:
                 async for signum in signals:
                     received.append(signum)
+                    # The engine first: every request in flight ends now with an error terminal
+                    # its client is sent, so the server's graceful wait for them is short.
+                    engine.shutdown()
                     stop.set()
                     return
 

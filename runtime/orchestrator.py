@@ -252,10 +252,11 @@ class Orchestrator:
         self.requests[request_id] = state
         k.note("orch.accepted", req=request_id)
         self._submit_stage(state, 0, {"text": text})
-        self._maybe_complete(state)  # only if the Thinker was found down
         if self.async_chunk:
             for sid in self.config.prewarm_stages(final):
-                self._submit_stage(state, sid, None)
+                if state.error is None:  # (a failed request is not prewarmed further)
+                    self._submit_stage(state, sid, None)
+        self._maybe_complete(state)  # only if a stage was found down or refused the request
         return state.stream
 
     def _submit_stage(self, state: RequestState, stage_id: int, payload: dict[str, Any] | None) -> None:
@@ -268,12 +269,18 @@ class Orchestrator:
         state.stage_requests[stage_id] = request
         self._by_stage_request[(stage_id, request.request_id)] = state
         stage = self.stages[stage_id]
+        # A stage that is down, or that refuses the request, never answers for it: it counts as
+        # finished, and the request fails (the caller completes it once the others stopped).
         if not stage.health()["alive"]:
-            # Its process died and is not back yet: it would never answer (the caller completes).
             state.finished_stages.add(stage_id)
             self._fail(state, f"stage {stage.spec.name} is down (its process died)")
             return
-        stage.submit(request, payload, sends=stage_id < state.final_stage_id)
+        try:
+            stage.submit(request, payload, sends=stage_id < state.final_stage_id)
+        except Exception as e:
+            log.exception("stage %s refused request %s", stage.spec.name, state.request_id)
+            state.finished_stages.add(stage_id)
+            self._fail(state, f"stage {stage.spec.name} refused the request: {type(e).__name__}: {e}")
 
     # -- routing ----------------------------------------------------------------------------------
 

@@ -215,6 +215,30 @@ def test_a_stalled_stage_fails_the_request_with_the_input_wait_error() -> None:
     assert residue == {}
 
 
+def test_a_stage_that_refuses_a_request_fails_it_and_frees_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage whose ``submit`` raises (a bug of ours, say) never hears of the request: it fails
+    with an error terminal, every other stage lets it go, and the id is free again."""
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        talker = engine.stages[1]
+        submit = talker.submit
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("cannot take it")
+
+        monkeypatch.setattr(talker, "submit", refuse)
+        outputs.extend(await collect(engine, "refused on the way", request_id="same"))
+        monkeypatch.setattr(talker, "submit", submit)
+        await engine.drain()
+        outputs.extend(await collect(engine, "accepted now", request_id="same"))
+
+    assert with_engine(body) == {}
+    refused = next(o for o in outputs if o.finished)
+    assert "talker refused the request: RuntimeError: cannot take it" in (refused.error or "")
+    assert outputs[-1].finished and outputs[-1].error is None
+
+
 def test_word_timestamps_without_audio_are_refused() -> None:
     async def body(engine: Orchestrator) -> None:
         with pytest.raises(ValueError, match="audio"):

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from conftest import left_behind, shm_names
+from websockets.exceptions import ConnectionClosedOK
 from websockets.sync.client import connect
 
 REPO = Path(__file__).resolve().parent.parent
@@ -287,6 +288,136 @@ def test_bad_input_gets_a_4xx_in_openai_shape(server: Running, path: str, body: 
     assert error["message"] and error["type"] == "invalid_request_error"
 
 
+def _post_ascii(server: Running, path: str, body: dict[str, object]) -> httpx.Response:
+    """A body as JSON escapes it (httpx would encode it as UTF-8 first, which a surrogate fails)."""
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def test_text_utf8_cannot_carry_is_refused_and_the_session_goes_on(server: Running) -> None:
+    lone = "a lone \ud800 surrogate"  # what JSON's "\\ud800" decodes to
+    speech = _post_ascii(server, "/v1/audio/speech", {"input": lone})
+    assert speech.status_code == 400 and "lone surrogate" in speech.json()["error"]["message"]
+    chat = _post_ascii(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": lone}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    with connect(server.ws) as ws:
+        ws.send(json.dumps({"type": "input.text", "text": lone}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert "lone surrogate" in json.loads(ws.recv(timeout=30))["message"]
+        _, audio = _utterance(ws, "still here")
+        assert audio
+
+
+def test_null_means_not_set_as_openai_clients_send_it(server: Running) -> None:
+    nulls = {"speed": None, "stream": None, "stream_format": None, "response_format": None, "voice": None}
+    speech = _speech(server, **nulls)
+    assert speech.status_code == 200 and speech.headers["content-type"] == "audio/wav"
+    asked = {"messages": [{"role": "user", "content": TEXT}], "n": None, "audio": None, "modalities": None}
+    plain = asked | {"response_format": {"type": "text"}, "tools": None, "tool_choice": "none"}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json=plain, timeout=60)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == TEXT
+    for field, value in (("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"})):
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=asked | {field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+def test_models_retrieve_and_a_wrong_method_as_clients_expect(client: openai.OpenAI, server: Running) -> None:
+    assert client.models.retrieve("qwen3_omni").id == "qwen3_omni"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    wrong = httpx.get(f"{server.url}/v1/audio/speech")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+def _metric(server: Running, line_start: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    found = re.search(rf"^{re.escape(line_start)} (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_refused_request_counts_as_refused_only(server: Running) -> None:
+    accepted, refused = (
+        'omnisim_requests_total{endpoint="speech"}',
+        'omnisim_requests_rejected_total{endpoint="speech"}',
+    )
+    before = _metric(server, accepted), _metric(server, refused)
+    assert _speech(server, model="gpt-4o").status_code == 404
+    assert _speech(server, stream=True, word_timestamps=True).status_code == 400
+    assert (_metric(server, accepted), _metric(server, refused)) == (before[0], before[1] + 2)
+
+
+def test_usage_counts_samples_streamed_or_not(server: Running) -> None:
+    done = _sse_events(server, "/v1/audio/speech", {"input": TEXT, "stream": True})[-1]
+    whole = _speech(server, response_format="pcm")
+    assert done["usage"]["output_tokens"] == int(whole.headers["x-vllm-omni-output-tokens"]) == len(whole.content) // 2  # type: ignore[index]
+
+
+def test_a_websocket_takes_the_next_utterance_while_one_is_spoken(server: Running) -> None:
+    with connect(server.ws) as ws:
+        for text in ("the first one", "the second one"):  # sent before the first is spoken
+            ws.send(json.dumps({"type": "input.text", "text": text}))
+            ws.send(json.dumps({"type": "input.done"}))
+        spoken, frames = [], 0
+        while len(spoken) < 2:
+            message = ws.recv(timeout=30)
+            if isinstance(message, bytes):
+                frames += 1  # stream_audio is off, as upstream's default: one frame per utterance
+            elif (event := json.loads(message))["type"] == "session.done":
+                spoken.append(event["utterance_index"])
+        assert spoken == [0, 1] and frames == 2
+        ws.send(json.dumps({"type": "input.text", "text": "x" * 20_000}))
+        ws.send(json.dumps({"type": "input.text", "text": "y"}))  # over the limit: refused, the rest kept
+        assert "limit is 20000" in json.loads(ws.recv(timeout=30))["message"]
+        ws.send(json.dumps({"type": "session.close"}))
+        with pytest.raises(ConnectionClosedOK):
+            ws.recv(timeout=30)
+
+
+def test_a_session_close_mid_utterance_aborts_it_and_closes_normally(server: Running) -> None:
+    aborts = _metric(server, "omnisim_aborts_total")
+    with connect(server.ws) as ws:
+        ws.send(json.dumps({"type": "input.text", "text": "word " * 3000}))  # many seconds of audio
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "audio.start"
+        ws.send(json.dumps({"type": "session.close"}))
+        with pytest.raises(ConnectionClosedOK):
+            while True:
+                ws.recv(timeout=10)
+    assert ws.close_code == 1000
+    assert _metric(server, "omnisim_aborts_total") == aborts + 1
+
+
+def test_a_whole_response_is_aborted_when_its_client_goes(server: Running) -> None:
+    aborts = _metric(server, "omnisim_aborts_total")
+    with pytest.raises(httpx.TimeoutException):  # many seconds of audio: it is still running
+        httpx.post(f"{server.url}/v1/audio/speech", json={"input": "word " * 3000}, timeout=1)
+    deadline = time.monotonic() + 10
+    while _metric(server, "omnisim_aborts_total") == aborts and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, "omnisim_aborts_total") == aborts + 1
+    assert _metric(server, 'omnisim_stage_requests{stage="code2wav"}') == 0
+
+
+def test_a_signal_ends_a_stream_in_flight_with_an_error_event_at_once() -> None:
+    before = shm_names()
+    running = start_server()
+    events: list[str] = []
+    try:
+        with httpx.stream(
+            "POST", f"{running.url}/v1/audio/speech", json={"input": "word " * 3000, "stream": True}, timeout=60
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    if not events:
+                        signalled = time.monotonic()
+                        running.proc.send_signal(signal.SIGINT)
+                    events.append(line[7:])
+        ended = time.monotonic() - signalled
+        assert events[-1] == "speech.audio.error" and ended < 2.5, (events[-1], ended)
+    finally:
+        assert running.proc.wait(30) == 130
+    assert not left_behind(before)
+
+
 # -- clients that vanish ---------------------------------------------------------------------------
 
 
@@ -337,6 +468,9 @@ def test_serve_with_stage_processes() -> None:
     running = start_server("--processes")
     try:
         assert "as processes" in running.banner
+        # Text UTF-8 cannot carry is refused before a stage process sees it (it once ended the server).
+        refused = _post_ascii(running, "/v1/audio/speech", {"input": "a\ud800b"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
         response = httpx.post(f"{running.url}/v1/audio/speech", json={"input": TEXT}, timeout=60)
         assert response.status_code == 200 and _pcm(response.content)
     finally:

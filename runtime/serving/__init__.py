@@ -42,9 +42,17 @@ class RequestRejected(ValueError):
 
 
 def check_input_text(text: object) -> str:
-    """A request's text must be a string with something to say, at most :data:`MAX_INPUT_CHARS`."""
+    """A request's text must be a string with something to say, at most :data:`MAX_INPUT_CHARS`,
+    and Unicode that UTF-8 can carry (JSON's ``"\\ud800"`` decodes to a lone surrogate, which
+    no stage could tokenize or send)."""
     if not isinstance(text, str):
         raise RequestRejected(f"the input text must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestRejected(
+            f"the input text is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}"
+        ) from None
     if not text.strip():
         raise RequestRejected("the input text is empty: there is nothing to say")
     if len(text) > MAX_INPUT_CHARS:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -48,6 +50,8 @@ WORD_TIMESTAMPS_HEADER_CAP = 4096
 AUDIO_EXPIRES_S = 24 * 3600
 PAGE = Path(__file__).with_name("static") / "index.html"
 
+log = logging.getLogger(__name__)
+
 
 class Server:
     """The endpoints of one engine, served under ``model_name``."""
@@ -62,6 +66,7 @@ class Server:
         routes = [
             Route("/", self.page),
             Route("/v1/models", self.models),
+            Route("/v1/models/{model:path}", self.model),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -76,9 +81,15 @@ class Server:
     async def page(self, request: Request) -> Response:
         return HTMLResponse(PAGE.read_text())
 
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "omnisim"}
+
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "omnisim"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
         stages = self.engine.health()
@@ -94,12 +105,14 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         chat = self._accept("chat", parse_chat, await _json_body(request))
-        self._check_model(chat.model)
         rid = _request_id("chatcmpl")
         outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
         if chat.stream:
             return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs))
-        text, audio, _, error = await _collect(outputs)
+        collected = await _collect_unless_gone(request, outputs)
+        if collected is None:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        text, audio, _, error = collected
         if error is not None:
             raise ApiError(f"the request failed: {error}", status=500)
         choices: list[dict[str, Any]] = []
@@ -165,17 +178,7 @@ class Server:
     # -- speech -------------------------------------------------------------------------------
 
     async def speech(self, request: Request) -> Response:
-        speech = self._accept("speech", parse_speech, await _json_body(request))
-        self._check_model(speech.model)
-        try:
-            serving.check_http_speech_request(
-                stream=speech.stream,
-                word_timestamps=speech.word_timestamps,
-                has_aligner=self.engine.aligner is not None,
-            )
-        except serving.RequestRejected as e:
-            self.metrics.rejected.labels(endpoint="speech").inc()
-            raise ApiError(str(e), param="word_timestamps") from None
+        speech = self._accept("speech", parse_speech, await _json_body(request), self._check_speech)
         rid = _request_id("speech")
         outputs = self._outputs(
             speech.text, ("audio",), stream=speech.stream, word_timestamps=speech.word_timestamps, rid=rid
@@ -185,7 +188,10 @@ class Server:
         if speech.stream_format == "audio":
             media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
             return StreamingResponse(_raw_audio(speech.response_format, outputs), media_type=media)
-        _, audio, stamps, error = await _collect(outputs)
+        collected = await _collect_unless_gone(request, outputs)
+        if collected is None:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        _, audio, stamps, error = collected
         if error is not None:
             raise ApiError(f"the request failed: {error}", status=500)
         if speech.speed != 1.0:
@@ -206,15 +212,19 @@ class Server:
 
     async def speech_stream(self, ws: WebSocket) -> None:
         """``session.config`` (sticky), ``input.text`` (buffered), ``input.done`` (speak the
-        buffer, keep the connection), ``session.close``. A client that goes away mid-utterance
-        aborts it at once: a watcher receives while the utterance is spoken."""
+        buffer, keep the connection), ``session.close``. Messages that arrive while an utterance
+        is spoken wait their turn, as on upstream's server (a client may stream the next
+        sentence's text meanwhile); a client that goes away, or sends ``session.close``,
+        mid-utterance aborts it at once."""
         await ws.accept()
         config = SessionConfig()
         buffered: list[str] = []
+        chars = 0
+        inbox: deque[dict[str, Any]] = deque()  # what came while an utterance was spoken
         utterance = 0
         try:
             while True:
-                message = await _next_message(ws)
+                message = inbox.popleft() if inbox else await _next_message(ws)
                 if message is None:
                     return
                 kind = message.get("type")
@@ -224,12 +234,20 @@ class Server:
                             raise ApiError("session.config while text is buffered: send input.done first")
                         config = parse_session_config(message)
                     elif kind == "input.text":
-                        if not isinstance(message.get("text"), str):
+                        text = message.get("text")
+                        if not isinstance(text, str):
                             raise ApiError("input.text needs a 'text' string", param="text")
-                        buffered.append(message["text"])
+                        if chars + len(text) > serving.MAX_INPUT_CHARS:
+                            raise ApiError(
+                                f"the buffered text would have {chars + len(text)} characters; the limit is "
+                                f"{serving.MAX_INPUT_CHARS} (send input.done first)",
+                                param="text",
+                            )
+                        buffered.append(text)
+                        chars += len(text)
                     elif kind == "input.done":
-                        text, buffered = "".join(buffered), []
-                        if not await self._speak(ws, config, text, utterance):
+                        text, buffered, chars = "".join(buffered), [], 0
+                        if not await self._speak(ws, config, text, utterance, inbox):
                             return
                         utterance += 1
                     elif kind == "session.close":
@@ -242,8 +260,11 @@ class Server:
         except WebSocketDisconnect:
             return
 
-    async def _speak(self, ws: WebSocket, config: SessionConfig, text: str, utterance: int) -> bool:
-        """One utterance; False if the client went away meanwhile (its request is aborted)."""
+    async def _speak(
+        self, ws: WebSocket, config: SessionConfig, text: str, utterance: int, inbox: deque[dict[str, Any]]
+    ) -> bool:
+        """One utterance; False if the session ended meanwhile (its request is aborted). What
+        else the client sends meanwhile goes to ``inbox``."""
         if not text.strip():
             await ws.send_json({"type": "session.done", "utterance_index": utterance, "total_sentences": 0})
             return True
@@ -259,21 +280,20 @@ class Server:
         held: list[bytes] = []
         stamps: list[WordTimestamp] = []
         error: str | None = None
-        gone = False
+        ended_by: dict[str, Any] | None = None  # {} for a disconnect, else the session.close
         outputs = self._outputs(
             text, ("audio",), stream=True, word_timestamps=config.word_timestamps, rid=_request_id("ws")
         )
         async with anyio.create_task_group() as watch:
 
-            async def watch_for_departure() -> None:
-                nonlocal gone
-                message = await _next_message(ws)
-                gone = True  # anything but silence mid-utterance ends it: a disconnect or a close
-                if message is not None and message.get("type") != "session.close":
-                    await ws.send_json({"type": "error", "message": "wait for session.done before sending more"})
+            async def watch_for_the_end() -> None:
+                nonlocal ended_by
+                while (message := await _next_message(ws)) is not None and message.get("type") != "session.close":
+                    inbox.append(message)
+                ended_by = message or {}
                 watch.cancel_scope.cancel()
 
-            watch.start_soon(watch_for_departure)
+            watch.start_soon(watch_for_the_end)
             async with aclosing(outputs) as stream:
                 async for out in stream:
                     if out.finished:
@@ -291,7 +311,9 @@ class Server:
                         else:
                             held.append(data)
             watch.cancel_scope.cancel()
-        if gone:
+        if ended_by is not None:
+            if ended_by:  # a session.close: a normal closure
+                await ws.close()
             return False
         if held:
             await ws.send_bytes(b"".join(held))
@@ -305,14 +327,28 @@ class Server:
 
     # -- shared -------------------------------------------------------------------------------
 
-    def _accept(self, endpoint: str, parse: Any, body: object) -> Any:
+    def _accept(self, endpoint: str, parse: Any, body: object, check: Any = None) -> Any:
+        """The parsed request, counted as accepted once every check passed, else as rejected."""
         try:
             parsed = parse(body)
+            self._check_model(parsed.model)
+            if check is not None:
+                check(parsed)
         except ApiError:
             self.metrics.rejected.labels(endpoint=endpoint).inc()
             raise
         self.metrics.requests.labels(endpoint=endpoint).inc()
         return parsed
+
+    def _check_speech(self, speech: Any) -> None:
+        try:
+            serving.check_http_speech_request(
+                stream=speech.stream,
+                word_timestamps=speech.word_timestamps,
+                has_aligner=self.engine.aligner is not None,
+            )
+        except serving.RequestRejected as e:
+            raise ApiError(str(e), param="word_timestamps") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -331,15 +367,24 @@ class Server:
         playback = Playback(k.now())
         ended = False
         try:
-            async with aclosing(
-                generate(self.engine, text, modalities, stream=stream, word_timestamps=word_timestamps, request_id=rid)
-            ) as stream_:
-                async for out in stream_:
-                    if out.kind is OutputType.AUDIO and out.data is not None:
-                        playback.packet(k.now(), out.data.numel() / SAMPLE_RATE)
-                    if out.finished:
-                        ended = out.error != ABORTED
-                    yield out
+            try:
+                async with aclosing(
+                    generate(
+                        self.engine, text, modalities, stream=stream, word_timestamps=word_timestamps, request_id=rid
+                    )
+                ) as stream_:
+                    async for out in stream_:
+                        if out.kind is OutputType.AUDIO and out.data is not None:
+                            playback.packet(k.now(), out.data.numel() / SAMPLE_RATE)
+                        if out.finished:
+                            ended = out.error != ABORTED
+                        yield out
+            except Exception as e:
+                # A bug of ours: this client gets an error terminal, as for any failed request,
+                # and the server goes on (in a stream, after its headers, nothing else can say it).
+                log.exception("request %s failed inside the server", rid)
+                kind = OutputType.AUDIO if "audio" in modalities else OutputType.TEXT
+                yield ClientOutput(kind, None, finished=True, error=f"internal error: {type(e).__name__}")
         finally:
             if ended:
                 self.metrics.finished(playback, k.now())
@@ -350,21 +395,21 @@ class Server:
 async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[dict[str, Any]]:
     """``speech.audio.delta`` events (PCM, base64), then ``speech.audio.done`` with usage, or
     ``speech.audio.error``."""
-    chunks = 0
+    samples = 0
     error: str | None = None
     async with aclosing(outputs) as stream:
         async for out in stream:
             if out.finished:
                 error = out.error
             elif out.kind is OutputType.AUDIO:
-                chunks += 1
+                samples += out.data.numel()
                 audio = base64.b64encode(pcm16(out.data)).decode()
                 yield {"type": "speech.audio.delta", "audio": audio, "response_format": "pcm"}
     if error is not None:
         failure = {"message": f"the request failed: {error}", "type": "server_error", "param": None, "code": 500}
         yield {"type": "speech.audio.error", "error": failure}
     else:
-        yield {"type": "speech.audio.done", "usage": _speech_usage(prompt, chunks)}
+        yield {"type": "speech.audio.done", "usage": _speech_usage(prompt, samples)}
 
 
 async def _raw_audio(fmt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[bytes]:
@@ -393,6 +438,25 @@ async def _collect(
             elif out.kind is OutputType.TIMESTAMPS:
                 stamps = out.data
     return text, audio, stamps, error
+
+
+async def _collect_unless_gone(
+    request: Request, outputs: AsyncIterator[ClientOutput]
+) -> tuple[str, Any, list[WordTimestamp], str | None] | None:
+    """:func:`_collect`, unless the client disconnects first: then None, and the request is
+    aborted at once (closing ``outputs`` closes ``generate``, whose ``finally`` is the abort)."""
+    collected = None
+    async with anyio.create_task_group() as watch:
+
+        async def until_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass  # (the body was read already: nothing else comes)
+            watch.cancel_scope.cancel()
+
+        watch.start_soon(until_gone)
+        collected = await _collect(outputs)
+        watch.cancel_scope.cancel()
+    return collected
 
 
 def _sse(events: AsyncIterator[dict[str, Any]], *, named: bool = False) -> Response:
@@ -490,7 +554,8 @@ async def _api_error(request: Request, e: Exception) -> Response:
 
 async def _http_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
-    return JSONResponse(ApiError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+    body = ApiError(str(e.detail), status=e.status_code).body()
+    return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
 
 async def _server_error(request: Request, e: Exception) -> Response:

@@ -92,8 +92,12 @@ def _type(value: object) -> str:
 
 
 def _field(body: Mapping[str, Any], name: str, check: Callable[[Any], bool], want: str, default: Any) -> Any:
-    value = body.get(name, default)
-    if name in body and not check(value):
+    """An optional field: ``default`` when it is absent or null (OpenAI's schemas make every
+    optional field nullable, and its clients send null for "not set")."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
         raise ApiError(f"'{name}' must be {want}, got {_type(value)}", param=name)
     return value
 
@@ -144,12 +148,39 @@ def _message_text(message: object, i: int) -> str | None:
     raise ApiError(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}]")
 
 
+_CHAT_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "modalities",
+        "audio",
+        "stream",
+        "stream_options",
+        "n",
+        "response_format",
+        "tools",
+        "tool_choice",
+    }
+)
+
+
+def _refuse_what_is_not_built(body: Mapping[str, Any]) -> None:
+    """OpenAI fields a client may send with their "nothing asked" values (plain text, no tools),
+    and that this pipeline cannot honour otherwise: a clear 400, never a silent ignore."""
+    response_format = _field(body, "response_format", lambda v: isinstance(v, dict), "an object", {"type": "text"})
+    if response_format.get("type") != "text":
+        raise ApiError("only response_format {'type': 'text'} is served: the answer is text", param="response_format")
+    if _field(body, "tools", lambda v: isinstance(v, list), "an array", []):
+        raise ApiError("tools are not served: this pipeline calls no tools", param="tools")
+    choice = _field(body, "tool_choice", lambda v: isinstance(v, dict | str), "a string or an object", "none")
+    if choice != "none":
+        raise ApiError("tool_choice must be 'none': this pipeline calls no tools", param="tool_choice")
+
+
 def parse_chat(raw: object) -> ChatRequest:
     body = _object(raw)
-    _no_unknown(
-        body,
-        frozenset({"model", "messages", "modalities", "audio", "stream", "stream_options", "n"}) | _CHAT_IGNORED,
-    )
+    _no_unknown(body, _CHAT_FIELDS | _CHAT_IGNORED)
+    _refuse_what_is_not_built(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty array", param="messages")
@@ -166,12 +197,12 @@ def parse_chat(raw: object) -> ChatRequest:
         raise ApiError(f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}", param="audio.format")
     if _field(body, "n", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", 1) != 1:
         raise ApiError("'n' must be 1: one answer per request", param="n")
-    options = _field(body, "stream_options", lambda v: isinstance(v, dict) or v is None, "an object", None) or {}
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     return ChatRequest(
         text=_text(said[-1], "messages"),
         modalities=tuple(modalities),
         audio_format=audio_format,
-        stream=_field(body, "stream", lambda v: _is_bool(v) or v is None, "a boolean", False) or False,
+        stream=_field(body, "stream", _is_bool, "a boolean", False),
         include_usage=bool(options.get("include_usage", True)),
         model=_field(body, "model", _is_str, "a string", None),
     )
@@ -183,7 +214,7 @@ _SPEECH_EXTENSIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task_type": (_is_str, "a string"),
     "language": (_is_str, "a string"),
     "instructions": (_is_str, "a string"),
-    "initial_codec_chunk_frames": (lambda v: v is None or (isinstance(v, int) and v > 0), "a positive integer"),
+    "initial_codec_chunk_frames": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
     "max_new_tokens": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
     "sample_rate": (lambda v: v == 24000, "24000 (the model's rate)"),
 }
@@ -198,14 +229,16 @@ def parse_speech(raw: object) -> SpeechRequest:
     text = _text(body["input"], "input")
     response_format = _field(body, "response_format", _is_str, "a string", "wav")
     if response_format in _UNENCODED:
-        raise ApiError(f"response_format {response_format!r} is not encoded by this server; use wav or pcm")
+        raise ApiError(
+            f"response_format {response_format!r} is not encoded here; use wav or pcm", param="response_format"
+        )
     if response_format not in SPEECH_FORMATS:
         raise ApiError(f"response_format must be one of {', '.join(SPEECH_FORMATS)}", param="response_format")
     speed = float(_field(body, "speed", _is_number, "a number", 1.0))
     if not 0.25 <= speed <= 4.0:
         raise ApiError("'speed' must be between 0.25 and 4.0", param="speed")
-    stream = _field(body, "stream", lambda v: _is_bool(v) or v is None, "a boolean", False) or False
-    stream_format = _field(body, "stream_format", lambda v: v in ("sse", "audio", None), "'sse' or 'audio'", None)
+    stream = _field(body, "stream", _is_bool, "a boolean", False)
+    stream_format = _field(body, "stream_format", lambda v: v in ("sse", "audio"), "'sse' or 'audio'", None)
     streaming = stream or stream_format is not None
     if streaming and speed != 1.0:
         raise ApiError("a streamed response plays at speed 1.0 only", param="speed")
@@ -230,7 +263,8 @@ class SessionConfig:
 
     voice: str = "default"
     response_format: str = "pcm"
-    stream_audio: bool = True
+    #: Each decoded chunk as its own binary frame; off (upstream's default): one frame per utterance.
+    stream_audio: bool = False
     word_timestamps: bool = False
 
 
@@ -247,6 +281,6 @@ def parse_session_config(raw: Mapping[str, Any]) -> SessionConfig:
     return SessionConfig(
         voice=_field(raw, "voice", _is_str, "a string", "default"),
         response_format=response_format,
-        stream_audio=_field(raw, "stream_audio", _is_bool, "a boolean", True),
+        stream_audio=_field(raw, "stream_audio", _is_bool, "a boolean", False),
         word_timestamps=_field(raw, "word_timestamps", _is_bool, "a boolean", False),
     )
