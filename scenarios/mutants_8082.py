@@ -8,7 +8,7 @@ from typing import Any
 from omnisim.registry import Patch, mutant
 from runtime.connectors import wire
 from runtime.connectors.shm import REAP_BUDGET, ShmConnector
-from runtime.connectors.stores import LockFile, Segment
+from runtime.connectors.stores import LockFile, Segment, Store
 from runtime.connectors.wire import WireDecodeError
 from runtime.kernel import KTaskGroup, current_kernel
 from runtime.transfer import rules
@@ -355,7 +355,9 @@ def reap_no_rotate() -> Iterator[Patch]:
     expect=("no-orphan-lock",),
 )
 def lock_removed_only_if_decoded() -> Iterator[Patch]:
-    async def _consume(self: ShmConnector, key: str, segment: Segment, lock: LockFile) -> tuple[Any, int, Any]:
+    async def _consume(
+        self: ShmConnector, store: Store, key: str, segment: Segment, lock: LockFile
+    ) -> tuple[Any, int, Any]:
         k = current_kernel()
         size = segment.size
         obj: Any = None
@@ -368,13 +370,13 @@ def lock_removed_only_if_decoded() -> Iterator[Patch]:
                 error = e
         finally:
             segment.close()
-        self.upstream.unlink_segment(key)
+        store.unlink_segment(key)
         try:
             await k.point("shm.get.consumed", key=key)
         except WireDecodeError as e:
             error = e
         if error is None:  # the bug: a payload that did not decode keeps its lock file
-            self._remove_lock_after_read(key, lock)
+            self._remove_lock_after_read(store, key, lock)
         return obj, size, error
 
     yield Patch(ShmConnector, "_consume", _consume)

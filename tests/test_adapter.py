@@ -352,6 +352,40 @@ async def test_release_shm_resources_removes_an_unread_terminal_of_an_aborted_re
     edge.assert_clean()
 
 
+@pytest.mark.parametrize("payload", [{}, [1, 2], "text", 0], ids=repr)
+async def test_a_taken_chunk_that_is_no_stage_payload_fails_its_request_at_once(store: Store, payload: object) -> None:
+    """Ours always carry ``meta``; anything else that was consumed will never come again, so its
+    request fails now instead of polling the consumed key until its input deadline."""
+    edge = Edge(store)
+    request = Request("R-code2wav", "R")
+    assert (await edge.c1.put("1", "2", "R_1_0", payload)).ok
+    async with edge.running():
+        await edge.stage2.load_async(request)
+        with trio.fail_after(SETTLE_S):
+            while not edge.stage2.has_receive_failure(request.request_id):
+                await edge.stage2.chunk_ready.wait(10 * SETTLE_S)
+        (reason,) = edge.stage2.collect_failed_receive_request_ids().values()
+        assert reason.startswith("the chunk R_1_0 from stage 1 holds no stage payload")
+        await edge.stage2.finish_requests([request])
+    edge.c1.reap_consumed()
+    edge.assert_clean()
+
+
+async def test_a_release_whose_sweep_raises_still_answers(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request's final sweep runs on the save loop; if it raises there (logged), the caller
+    that waits for it gets an answer all the same: a request id is never held for good."""
+    edge = Edge(store)
+
+    async def broken(prefix: str) -> int:
+        raise OSError("EIO")
+
+    monkeypatch.setattr(edge.c1, "cleanup_prefix", broken)
+    async with edge.running():
+        with trio.fail_after(SETTLE_S):
+            assert await edge.stage1.release_shm_resources("R") == 0
+    edge.assert_clean()
+
+
 # == Part B: the same races under the SimKernel, with the ordered strategy =====================
 
 

@@ -629,3 +629,26 @@ async def test_reap_removes_the_lock_file_a_dead_reader_left(store: Store) -> No
     producer.reap_consumed()
     assert pending(producer) == []
     assert residue(store) == ([], [])
+
+
+async def test_a_get_acts_on_one_namespace_even_if_its_producer_moves_meanwhile() -> None:
+    """A producer restarted in a new namespace while a get of the old one's key is under way: the
+    get consumes, retires and unlocks the old namespace's key, and leaves the new one's alone."""
+    old, new = PosixStore(), PosixStore()
+    try:
+        for store, value in ((old, 1), (new, 2)):
+            await put(ShmConnector(store), "R_0_0", {"v": value})
+        consumer = ShmConnector(old, upstream=old)
+
+        def producer_moves() -> bool:  # asked under the key's lock, before the bytes are taken
+            consumer.upstream = new
+            return True
+
+        got = await consumer.get("0", "1", "R_0_0", claim=producer_moves)
+        assert got is not None and got[0] == {"v": 1}
+        assert residue(old) == ([], [])
+        assert residue(new) == (["R_0_0"], ["R_0_0"])
+        assert (await get(consumer, "R_0_0")) == {"v": 2}
+    finally:
+        old.sweep()
+        new.sweep()

@@ -697,3 +697,24 @@ def test_posix_spares_give_way_to_a_full_dev_shm(posix_spares: PosixStore, monke
     with pytest.raises(StoreFull):  # no spare left to give way
         write_segment(posix_spares, "next", b"y" * 10)
     assert posix_spares.segments() == ["next", "small"]  # (a failed put's rollback is the connector's)
+
+
+def test_a_fifo_at_an_owner_record_name_is_no_owner_and_never_blocks(tmp_path: os.PathLike[str]) -> None:
+    """Anyone may make a FIFO in /dev/shm, at a name no one holds yet: reading the owner record
+    there must not wait for a writer (it froze a stage's loop, and ``omnisim sweep``)."""
+    path = os.path.join(str(tmp_path), "omnisim-0123456789ab-owner")
+    os.mkfifo(path, 0o600)
+    assert ShmDirectory(path=str(tmp_path)).read_owner("0123456789ab") is None
+
+
+def test_posix_a_sparse_segment_is_refused(posix: PosixStore) -> None:
+    """A segment of ours is reserved whole before it is written; one whose size is a hole (a
+    header there could claim gigabytes) is refused before a byte of it is read."""
+    write_segment(posix, "k", encode({"x": 1}))
+    fd = os.open(posix.segment_path("k"), os.O_RDWR)
+    try:
+        os.ftruncate(fd, 1 << 30)
+    finally:
+        os.close(fd)
+    with pytest.raises(StoreError, match="sparse"):
+        posix.open_segment("k")

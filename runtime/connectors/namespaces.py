@@ -171,7 +171,8 @@ class ShmDirectory:
     def read_owner(self, namespace: str) -> Owner | None:
         path = os.path.join(self.path, f"omnisim-{namespace}-{OWNER_SUFFIX}")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # (O_NONBLOCK: a FIFO someone made at the name would block an open for reading)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None
         try:

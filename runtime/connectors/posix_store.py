@@ -459,11 +459,15 @@ class PosixStore:
         if fd is None:
             return None
         try:
-            size = _check_ours(fd, key, "segment").st_size
+            st = _check_ours(fd, key, "segment")
+            if st.st_blocks * 512 < st.st_size:
+                # Every segment of ours is reserved whole before its first byte is written; a
+                # sparse one would let its header claim memory the frame does not hold.
+                raise StoreError(f"segment {key!r} is sparse ({st.st_blocks * 512} of {st.st_size} bytes reserved)")
         except BaseException:
             os.close(fd)
             raise
-        return _PosixSegment(key, fd, size, self.handles.opened(f"segment {key}"))
+        return _PosixSegment(key, fd, st.st_size, self.handles.opened(f"segment {key}"))
 
     def unlink_segment(self, key: str) -> bool:
         path = self.segment_path(key)

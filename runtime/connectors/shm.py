@@ -400,8 +400,11 @@ class ShmConnector:
                         return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
             except rings.RingBusy:
                 pass  # another reader is copying out: the key may be in a segment all the same
+        # One store for the whole get: a producer restarted meanwhile moves ``upstream`` to its
+        # new namespace, and the lock and segment of this key are the old one's.
+        store = self.upstream
         try:
-            lock = self.upstream.open_lock(key, create=False)
+            lock = store.open_lock(key, create=False)
         except StoreError as e:
             raise CorruptChunk(key, str(e)) from None
         if lock is None:
@@ -410,14 +413,14 @@ class ShmConnector:
             if not lock.try_acquire() or not lock.is_current():
                 return None  # a writer is at work (or a reader just took it)
             try:
-                segment = self.upstream.open_segment(key)
+                segment = store.open_segment(key)
             except StoreError as e:
                 raise CorruptChunk(key, str(e)) from None
             if segment is None or (claim is not None and not claim()):
                 if segment is not None:
                     segment.close()
                 return None
-            obj, size, error = await self._consume(key, segment, lock)
+            obj, size, error = await self._consume(store, key, segment, lock)
         finally:
             lock.close()
         return self._taken(key, obj, size, error)
@@ -485,7 +488,9 @@ class ShmConnector:
         self._receive_rings[edge] = (self.upstream, ring)
         return ring
 
-    async def _consume(self, key: str, segment: Segment, lock: LockFile) -> tuple[Any, int, Exception | None]:
+    async def _consume(
+        self, store: Store, key: str, segment: Segment, lock: LockFile
+    ) -> tuple[Any, int, Exception | None]:
         """Copy the payload out, then remove the segment and lock file — decoded or not."""
         k = current_kernel()
         size = segment.size
@@ -495,7 +500,7 @@ class ShmConnector:
         finally:
             segment.close()
         try:
-            self.upstream.retire_segment(key)
+            store.retire_segment(key)
         except StoreError as e:
             log.warning("could not remove the consumed segment %s: %s", key, e)
         try:
@@ -504,7 +509,7 @@ class ShmConnector:
             except WireDecodeError as e:
                 error = e
         finally:
-            self._remove_lock_after_read(key, lock)
+            self._remove_lock_after_read(store, key, lock)
         return obj, size, error
 
     @classmethod
@@ -537,7 +542,7 @@ class ShmConnector:
             both.start_soon(copy, name="shm.get.copy")
         return decoder.finish(checksum[0])
 
-    def _remove_lock_after_read(self, key: str, lock: LockFile) -> None:
+    def _remove_lock_after_read(self, store: Store, key: str, lock: LockFile) -> None:
         """The bytes were taken and the segment unlinked: the lock file goes too, decoded or not
         (#8082 i; before, a falsy or undecodable payload leaked its lock file).
 
@@ -547,7 +552,7 @@ class ShmConnector:
         """
         try:
             if lock.is_current():
-                self.upstream.remove_lock(key)
+                store.remove_lock(key)
             current_kernel().note("shm.get.unlocked", key=key)
         except StoreError as e:
             log.warning("could not remove the lock file of the consumed chunk %s: %s", key, e)

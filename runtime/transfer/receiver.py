@@ -171,32 +171,36 @@ class ChunkReceiver:
                 claim=lambda: rules.entry_is_current(self._registered_load_entries, entry),
             )
         except CorruptChunk as e:
-            # Consumed, and never coming back: the request fails now, not at its input deadline.
-            self.record_receive_failure(
-                req_id, f"the chunk {e.key} from stage {self.stage_id - 1} is corrupt: {e.cause}"
-            )
-            self.chunk_ready.notify()
-            return True
+            result, unusable = None, f"the chunk {e.key} from stage {self.stage_id - 1} is corrupt: {e.cause}"
+        else:
+            unusable = None
+            if result is not None and not (isinstance(result[0], dict) and result[0]):
+                # Upstream commits nothing here and polls the consumed key again until the input
+                # deadline (spec §3.8: "senders always include meta"); a bad producer fails it now.
+                unusable = f"the chunk {key} from stage {self.stage_id - 1} holds no stage payload: {result[0]!r:.40}"
         async with self._receiver_state_lock:
             if not rules.may_commit(self._registered_load_entries, entry):
-                if result is not None:
+                if result is not None or unusable is not None:
                     k.note("adapter.poll.discarded", req=req_id, key=key)
-                return True
-            if result is None:
+                return True  # (a failure of a cleaned-up entry is not the re-registered id's)
+            if unusable is not None:
+                # Consumed, and never coming back: the request fails now, not at its input deadline.
+                self.record_receive_failure(req_id, unusable)
+                ok = True
+            elif result is None:
                 return False
-            ok = self._commit_received_chunk(entry, result[0], chunk_id)
-            if ok:
-                self._registered_load_entries.pop(req_id, None)
-                k.note("adapter.unregister", stage=self.stage_id, req=req_id, why="committed")
+            else:
+                ok = self._commit_received_chunk(entry, result[0], chunk_id)
+                if ok:
+                    self._registered_load_entries.pop(req_id, None)
+                    k.note("adapter.unregister", stage=self.stage_id, req=req_id, why="committed")
         if ok:
             self.chunk_ready.notify()
         return ok
 
-    def _commit_received_chunk(self, entry: LoadEntry, payload: Any, chunk_id: int) -> bool:
+    def _commit_received_chunk(self, entry: LoadEntry, payload: dict[str, Any], chunk_id: int) -> bool:
         """Commit one chunk into the request (spec §3.8); True if it is ready. Under the receiver lock."""
         k = current_kernel()
-        if not payload:
-            return False
         req_id = entry.request_id
         request = entry.request
         self.get_req_chunk[req_id] = chunk_id + 1  # even an empty non-terminal chunk uses its id

@@ -369,15 +369,25 @@ class ChunkSender:
         k = current_kernel()
         await k.point("adapter.cleanup_shm.begin", prefix=task.prefix, n=task.num_puts, gen=task.generation)
         for i in range(task.num_puts):
-            await self.connector.cleanup(f"{task.prefix}_{i}")
+            key = f"{task.prefix}_{i}"
+            try:
+                await self.connector.cleanup(key)
+            except Exception as e:  # one key that cannot be removed leaves the rest reclaimed
+                log.warning("Reclaim of %s gave up: %s: %s", key, type(e).__name__, e)
         k.note("adapter.cleanup_shm.end", prefix=task.prefix, gen=task.generation)
 
     async def _run_release_task(self, task: ReleaseTask) -> None:
         k = current_kernel()
         await k.point("adapter.release.begin", ext=task.ext, stage=self.stage_id)
-        task.removed = await self.connector.cleanup_prefix(f"{task.ext}_{self.stage_id}_")
-        k.note("adapter.release.end", ext=task.ext, removed=task.removed)
-        self._released.notify()
+        try:
+            task.removed = await self.connector.cleanup_prefix(f"{task.ext}_{self.stage_id}_")
+        finally:
+            # Its caller waits for this answer: a sweep that raised (logged by the save loop)
+            # answers too, having removed nothing it can count.
+            if task.removed is None:
+                task.removed = 0
+            k.note("adapter.release.end", ext=task.ext, removed=task.removed)
+            self._released.notify()
 
     # == cleanup (never waits for I/O) =========================================================
 
