@@ -148,6 +148,50 @@ async def test_corrupt_bytes_on_the_ring_are_a_corrupt_chunk_and_consumed(store:
     await close(producer, consumer)
 
 
+def _stray_write(store: Store, where: str) -> None:
+    """What a stray write of another process of ours could leave in the edge's ring."""
+    memory = store.open_ring("edge_1_2")
+    ring = Ring.attach(memory) if memory is not None else None
+    assert ring is not None
+    frame = next(ring.frames())
+    at = ring._at(frame.pos)
+    if where == "span":  # unaligned: the next frame would start inside this one's payload
+        rings.FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.payload_len, frame.span + 3)
+    elif where == "payload length":  # longer than its span: a copy-out would run into the next frame
+        rings.FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.span, frame.span)
+    else:  # a head past the tail by more than the ring
+        ring._words[rings._HEAD_AT // 8] = ring.tail + 2 * ring.data_size
+    ring.close()
+
+
+@pytest.mark.parametrize("where", ["span", "payload length", "head"])
+async def test_a_corrupt_ring_is_retired_and_the_edge_goes_on_with_a_new_one(store: Store, where: str) -> None:
+    """No exception out of bytes a producer of ours never wrote: the reader's get finds nothing
+    there and retires the ring, the producer's next put makes a new one, and the edge goes on."""
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    await put(producer, "R_1_1", chunk(1))
+    _stray_write(store, where)
+    assert await consumer.get("1", "2", "R_1_1") is None  # lost with the ring, not raised
+    await put(producer, "R_1_2", chunk(2))  # on a new ring
+    assert (await take(consumer, "R_1_2"))["i"] == 2
+    assert producer.health()["ring_puts"] == 3
+    await producer.cleanup_prefix("R_1_")
+    await close(producer, consumer)
+    assert store.rings() == [] and store.segments() == [] and store.lock_files() == []
+
+
+async def test_a_put_that_finds_its_ring_corrupt_sends_all_the_same(store: Store) -> None:
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    _stray_write(store, "span")
+    await put(producer, "R_1_1", chunk(1))  # its reap walks the ring first: then a new ring
+    assert (await take(consumer, "R_1_1"))["i"] == 1
+    await producer.cleanup_prefix("R_1_")
+    await close(producer, consumer)
+    assert store.rings() == [] and store.segments() == [] and store.lock_files() == []
+
+
 async def test_a_reader_lets_go_of_a_ring_its_producer_replaced(store: Store) -> None:
     producer, consumer = pair(store)
     await put(producer, "R_1_0", chunk(0))

@@ -55,6 +55,11 @@ its producer's alone, made without the lock. Head and tail are each stored with 
 The producer records its identity (pid and start time) in the header; a consumer attaches only to
 a ring whose producer is its namespace's owner, and a producer that replaces a ring marks the old
 one *retired*, so a consumer still mapping it lets go.
+
+Whoever finds that a ring's bytes are not a ring's (a head, a tail or a frame that no producer of
+ours writes: a stray write of another process) retires it the same way: its reader lets go, its
+producer makes a new one at its next put, and the chunks it held are lost — their receivers give
+up at their input deadline, never on an exception out of the bytes.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ ALIGN = 64
 _FRAME_HEAD_MAX = 256
 
 WRITING, READY, DONE, CANCELLED, PAD, ABORTED = 1, 2, 3, 4, 5, 6
+_STATES = frozenset({WRITING, READY, DONE, CANCELLED, PAD, ABORTED})
 
 #: A ring's size when the deploy file names none (upstream's default).
 DEFAULT_CAPACITY = DEFAULT_RING_BYTES
@@ -103,6 +109,11 @@ LOCK_RETRY_MAX_S = 0.002
 class RingBusy(StoreError):
     """The ring's lock stayed held for longer than the caller may wait (a reader stopped mid-copy
     holds it until it goes on or dies)."""
+
+
+class RingCorrupt(StoreError):
+    """The ring holds bytes no producer of ours writes there (a stray write of another process
+    of ours): a head or tail out of place, or a frame that does not fit where it lies."""
 
 
 def _align(n: int) -> int:
@@ -232,33 +243,63 @@ class Ring:
     def _at(self, pos: int) -> int:
         return HEADER_SIZE + pos % self.data_size
 
-    def frame(self, pos: int) -> Frame:
+    def _bounds(self) -> tuple[int, int]:
+        """Tail and head, checked: both on a frame boundary, at most a ring apart."""
+        tail, head = self.tail, self.head
+        if tail % ALIGN or head % ALIGN or not tail <= head <= tail + self.data_size:
+            raise RingCorrupt(f"tail {tail} and head {head} are not those of a {self.data_size}-byte ring")
+        return tail, head
+
+    def _described(self, pos: int, head: int) -> tuple[int, int, int, int]:
+        """State, key length, payload length and span of the frame at ``pos`` (a boundary
+        before ``head``), checked to be a frame a producer of ours writes: a known state, its
+        key and payload inside its span, the span whole frames that end before the ring does."""
+        offset = pos % self.data_size
+        state, key_len, payload_len, span = FRAME.unpack_from(self.view, HEADER_SIZE + offset)
+        if not (
+            state in _STATES
+            and span >= ALIGN
+            and span % ALIGN == 0
+            and offset + span <= self.data_size
+            and pos + span <= head
+            and _align(FRAME.size + key_len) + payload_len <= span
+        ):
+            raise RingCorrupt(
+                f"the frame at {pos} (state {state}, a {key_len}-byte key, a {payload_len}-byte payload, "
+                f"span {span}) is not one a producer of ours writes"
+            )
+        return state, key_len, payload_len, span
+
+    def _frame(self, pos: int, head: int) -> Frame:
+        state, key_len, payload_len, span = self._described(pos, head)
         at = self._at(pos)
-        state, key_len, payload_len, span = FRAME.unpack_from(self.view, at)
         key = bytes(self.view[at + FRAME.size : at + FRAME.size + key_len]).decode("ascii", "replace")
         return Frame(pos, state, key, at + _align(FRAME.size + key_len), payload_len, span)
 
+    def frame(self, pos: int) -> Frame:
+        """The frame at ``pos``, a boundary between the tail and the head."""
+        tail, head = self._bounds()
+        if not tail <= pos < head or pos % ALIGN:
+            raise RingCorrupt(f"no frame can start at {pos} (tail {tail}, head {head})")
+        return self._frame(pos, head)
+
     def frames(self) -> Iterator[Frame]:
         """Every frame between tail and head, oldest first."""
-        pos, head = self.tail, self.head
+        pos, head = self._bounds()
         while pos < head:
-            frame = self.frame(pos)
-            if frame.span <= 0:
-                return  # a producer killed between reserving a frame and describing it
+            frame = self._frame(pos, head)
             yield frame
             pos += frame.span
 
     def find(self, key: str) -> Frame | None:
         """The unread frame of ``key``, if the ring holds one."""
         encoded = key.encode("ascii")
-        pos, head = self.tail, self.head
+        pos, head = self._bounds()
         while pos < head:
+            state, key_len, _, span = self._described(pos, head)
             at = self._at(pos)
-            state, key_len, _, span = FRAME.unpack_from(self.view, at)
-            if span <= 0:
-                return None
             if state == READY and self.view[at + FRAME.size : at + FRAME.size + key_len] == encoded:
-                return self.frame(pos)
+                return self._frame(pos, head)
             pos += span
         return None
 
@@ -287,7 +328,7 @@ class Ring:
     def cancel(self, key: str, pos: int) -> bool:
         """Cancel ``key``'s frame at ``pos`` if it is still being written (ABORTED) or unread
         (CANCELLED); True if it did. The producer's move, without the lock (see above)."""
-        if pos < self.tail:
+        if pos < self._bounds()[0]:
             return False
         frame = self.frame(pos)
         if frame.key != key or frame.state not in (WRITING, READY):
@@ -323,10 +364,10 @@ class Ring:
 
     def release_finished(self) -> None:
         """Move the tail past every finished frame at its front."""
-        pos, head = self.tail, self.head
+        pos, head = self._bounds()
         while pos < head:
-            state, _, _, span = FRAME.unpack_from(self.view, self._at(pos))
-            if state not in (DONE, CANCELLED, PAD) or span <= 0:
+            state, _, _, span = self._described(pos, head)
+            if state not in (DONE, CANCELLED, PAD):
                 break
             pos += span
         self._words[_TAIL_AT // 8] = pos
@@ -352,6 +393,8 @@ def unread_frames(store: Store) -> list[str]:
             continue
         try:
             out.extend(f"{edge}:{key}" for key in ring.unconsumed())
+        except RingCorrupt:
+            out.append(f"{edge}:(a corrupt ring)")  # what it holds cannot be told
         finally:
             ring.close()
     return out

@@ -186,7 +186,11 @@ class ShmConnector:
             with contextlib.suppress(rings.RingBusy):
                 async with locked(ring.memory, wait_s=max(0.0, deadline - k.now()), key=key):
                     held = False
-                    reserved = ring.reserve(key, frame.size)
+                    try:
+                        reserved = ring.reserve(key, frame.size)
+                    except rings.RingCorrupt as e:
+                        self._retire_corrupt(ring, edge, e)
+                        return False
                     if reserved is None:
                         ring.want_room()
             if reserved is None:
@@ -236,6 +240,9 @@ class ShmConnector:
         of the edge then take segments, and the next put tries again)."""
         edge = rings.edge_name(from_stage, to_stage)
         ring = self._send_rings.get(edge)
+        if ring is not None and ring.retired:  # found corrupt (by its reader, or by a put): replaced
+            self._drop_send_ring(edge, ring)
+            ring = None
         if ring is not None or self.send_ring is None:
             return ring
         try:
@@ -253,6 +260,23 @@ class ShmConnector:
         ring = self._send_rings[edge] = Ring.made(memory, self.store.owner())
         return ring
 
+    def _drop_send_ring(self, edge: str, ring: Ring) -> None:
+        """Forget a retired ring of ours, and the keys whose frames it held; remove its name."""
+        del self._send_rings[edge]
+        for key in [key for key, (e, _) in self._ring_keys.items() if e == edge]:
+            del self._ring_keys[key]
+        try:
+            self.store.unlink_ring(edge, only=ring.memory)
+        except StoreError as e:
+            log.warning("could not remove the ring %s: %s", edge, e)
+        ring.close()
+
+    def _retire_corrupt(self, ring: Ring, edge: str, error: rings.RingCorrupt) -> None:
+        """``ring``'s bytes are not a ring's: retired (see :mod:`runtime.connectors.ring`)."""
+        log.error("the ring of %s is corrupt and retired (the chunks it held are lost): %s", edge, error)
+        current_kernel().note("ring.corrupt", edge=edge)
+        ring.retire()
+
     def _cancel_ring_frame(self, key: str) -> bool:
         """Cancel the ring frame of ``key`` this connector put, if it is still being written or
         unread; True if it did. Never waits (see :meth:`Ring.cancel`); the space is released
@@ -262,7 +286,11 @@ class ShmConnector:
             return False
         edge, pos = placed
         ring = self._send_rings[edge]
-        if ring.memory.closed or not ring.cancel(key, pos):
+        try:
+            if ring.memory.closed or not ring.cancel(key, pos):
+                return False
+        except rings.RingCorrupt as e:
+            self._retire_corrupt(ring, edge, e)
             return False
         if ring.memory.try_lock():
             try:
@@ -274,7 +302,11 @@ class ShmConnector:
     def _release(self, ring: Ring, edge: str) -> None:
         """With the ring's lock held: release the finished frames at its front, and wake the
         producer if it waits for room."""
-        ring.release_finished()
+        try:
+            ring.release_finished()
+        except rings.RingCorrupt as e:
+            self._retire_corrupt(ring, edge, e)
+            return
         if ring.room_was_wanted() and self._wakeups is not None:
             self._wakeups.notify(rings.room_channel(edge))
 
@@ -400,6 +432,8 @@ class ShmConnector:
                         return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
             except rings.RingBusy:
                 pass  # another reader is copying out: the key may be in a segment all the same
+            except rings.RingCorrupt as e:
+                self._retire_corrupt(ring, rings.edge_name(from_stage, to_stage), e)
         # One store for the whole get: a producer restarted meanwhile moves ``upstream`` to its
         # new namespace, and the lock and segment of this key are the old one's.
         store = self.upstream
@@ -635,10 +669,13 @@ class ShmConnector:
         looked at again by the next sweep.)"""
         edge, pos = self._ring_keys[key]
         ring = self._send_rings[edge]
-        if pos >= ring.tail:
-            frame = ring.frame(pos)
-            if frame.key == key and frame.state in (rings.WRITING, rings.READY):
-                return True
+        try:
+            if pos >= ring.tail:
+                frame = ring.frame(pos)
+                if frame.key == key and frame.state in (rings.WRITING, rings.READY):
+                    return True
+        except rings.RingCorrupt as e:
+            self._retire_corrupt(ring, edge, e)
         del self._ring_keys[key]
         return False
 
