@@ -222,10 +222,14 @@ def _add_faults(sp: argparse.ArgumentParser, named: str, sampled: str) -> None:
     )
 
 
-def _add_scenario_options(sp: argparse.ArgumentParser) -> None:
+#: What one run can be scheduled by (dfs and hypothesis are searches across runs).
+RUN_STRATEGIES = ("random", "pct", "ordered")
+
+
+def _add_scenario_options(sp: argparse.ArgumentParser, strategies: tuple[str, ...] = STRATEGIES) -> None:
     sp.add_argument(
         "--strategy",
-        choices=STRATEGIES,
+        choices=strategies,
         default="random",
         help="how schedules are chosen (default: %(default)s)",
     )
@@ -289,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("scenario", help="a scenario name (`omnisim list scenarios`)")
     _add_run_options(sp)
-    _add_scenario_options(sp)
+    _add_scenario_options(sp, RUN_STRATEGIES)
     sp.add_argument("--trace", metavar="FILE", help="write the run's trace (JSON Lines) to FILE")
     sp.set_defaults(func=cmd_run, needs_registry=True)
 
@@ -322,10 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     bound.add_argument(
         "--delays",
         type=non_negative_int,
-        default=2,
         metavar="N",
         help="dfs: every schedule that strays at most N from the default one, taking a decision's k-th "
-        "candidate costing k (default: %(default)s)",
+        "candidate costing k (default: 2)",
     )
     bound.add_argument(
         "--preemptions",
@@ -420,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "target",
         nargs="*",
-        default=["runtime/connectors", "runtime/transfer"],
-        help="runtime files or folders to mutate (default: runtime/connectors runtime/transfer)",
+        help="runtime files or folders to mutate (default: the runtime's connectors and transfer, wherever "
+        "omnisim runs from)",
     )
     sp.add_argument(
         "--budget",
@@ -735,8 +738,13 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
     if s.get("interrupted"):
         head += " (interrupted)"
     lines = [head]
+    wanted = s.get("wanted")
     for v in s["violations"]:
-        lines.append(f"  seed {v['seed']} (after {s['first_violation_after']} schedules): artifact {v.get('artifact')}")
+        if wanted is None or any(found["invariant"] in wanted for found in v["violations"]):
+            when = f"after {s['first_violation_after']} schedules"
+        else:  # breakage, not a detection: none of the invariants the mutant declares
+            when = f"BROKEN: trips none of its mutant's {', '.join(wanted)}"
+        lines.append(f"  seed {v['seed']} ({when}): artifact {v.get('artifact')}")
         if "shrunk" in v:
             shrunk = v["shrunk"]
             line = (
@@ -779,6 +787,8 @@ def _explore_all(args: argparse.Namespace, jobs: list[tuple[str, dict[str, Any]]
     from omnisim.progress import Progress
 
     index, count = args.shard
+    if not jobs[index::count]:
+        print(f"omnisim: shard {index}/{count} has none of the {len(jobs)} exploration(s) to run", file=sys.stderr)
     jobs = jobs[index::count]
     with _tracked(Progress.for_command(explore_lines, json_output=args.json)) as progress:
         progress.plan([kwargs["budget"] for _, kwargs in jobs])
@@ -831,9 +841,16 @@ def _explore_in_processes(
         initializer=init_worker,
         initargs=(plugins, logging.getLogger().level, sofar),
     )
-    futures: list[Future[dict[str, Any]]] = [
-        pool.submit(explore_job, scenario, kwargs, i) for i, (scenario, kwargs) in enumerate(jobs)
-    ]
+    # The workers are started by the first submits, and are born ignoring Ctrl-C (an ignored
+    # signal stays ignored across exec): one pressed while they import would end them with a
+    # traceback each, before their initializer could say the parent decides.
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        futures: list[Future[dict[str, Any]]] = [
+            pool.submit(explore_job, scenario, kwargs, i) for i, (scenario, kwargs) in enumerate(jobs)
+        ]
+    finally:
+        signal.signal(signal.SIGINT, handler)
     reported = 0
 
     def report_ready(*, stopping: bool = False) -> None:
@@ -855,8 +872,9 @@ def _explore_in_processes(
             _, pending = wait(pending, timeout=LIVE_EVERY_S if live else None, return_when=FIRST_COMPLETED)
             report_ready()
     except BaseException:
-        for future in futures:
-            future.cancel()
+        # No future is cancelled: the jobs still queued stop at once as well (a stop is sticky in
+        # a worker), and a pool broken by a worker that died while it started (SIGTERM) fails
+        # its futures, which it cannot do to a cancelled one (it raises in its own thread).
         # The pool's own processes: the only handle on them that concurrent.futures gives.
         for worker in list(pool._processes.values()):
             if worker.is_alive() and worker.pid is not None:
@@ -886,12 +904,18 @@ def report_sofar_to(sofar: SimpleQueue[tuple[int, Sofar]] | None) -> None:
     _sofar[:] = [sofar] if sofar is not None else []
 
 
+class NotRun(Exception):
+    """An exploration its worker was told to stop before it began (it ends the report)."""
+
+
 def explore_job(scenario: str, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
     """One exploration in a worker: its summary (a partial one if it was stopped). What it has run
     so far goes to the worker's ``sofar`` queue, if it has one, at most every ``LIVE_EVERY_S``."""
     from omnisim import explore as ex
     from omnisim.progress import LIVE_EVERY_S, Sofar
 
+    if stop_requested:  # the worker was told to stop before this job began: it never runs
+        raise NotRun(scenario)
     sent = [0.0]
 
     def on_schedule(result: ex.ExploreResult, *, last: bool = False) -> None:
@@ -924,6 +948,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
         for name in names:
             registry.SCENARIOS[name].configurations(args.param)
     writable_dir(args.out)
+    if args.strategy != "dfs" and (args.delays is not None or args.preemptions is not None):
+        raise UsageError("--delays and --preemptions bound a dfs search: add --strategy dfs")
+    if args.strategy == "hypothesis" and args.hypothesis_db:
+        writable_dir(args.hypothesis_db)
     common = {
         "strategy": args.strategy,
         "budget": args.budget or (DFS_BUDGET if args.strategy == "dfs" else DEFAULT_BUDGET),
@@ -937,7 +965,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
         "params": args.param,
         "faults": args.fault,
         "determinism_every": args.check_determinism,
-        "delays": args.delays,
+        "delays": 2 if args.delays is None else args.delays,
         "preemptions": args.preemptions,
         "shrink_finds": args.shrink,
         "hypothesis_db": args.hypothesis_db or None,
@@ -1143,11 +1171,15 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_mutate(args: argparse.Namespace) -> int:
-    from omnisim import mutation
+    from omnisim import mutation, registry
 
     writable_dir(args.out)
     index, count = args.shard
-    mutations = mutation.find(args.target, args.operator or mutation.OPERATORS, ids=args.id)[: args.limit]
+    for name in args.scenario or ():
+        registry.get_scenario(name)  # an unknown name is a usage error, --list or not
+    package = mutation.runtime_root() / "runtime"
+    targets = args.target or [str(package / "connectors"), str(package / "transfer")]
+    mutations = mutation.find(targets, args.operator or mutation.OPERATORS, ids=args.id)[: args.limit]
     mutations = mutations[index::count]
     if args.list:
         human = [f"{m.id}  {m.module}:{m.line}  {m.where}  {m.describe()}" for m in mutations]
@@ -1230,10 +1262,7 @@ def cmd_trace_export(args: argparse.Namespace) -> int:
     artifact = load_artifact(args.artifact)
     out = args.out or args.artifact.removesuffix(".json") + ".perfetto.json"
     writable_file(out)
-    try:
-        events = read_trace(args.artifact)
-    except FileNotFoundError as e:
-        raise UsageError(f"the artifact's trace is missing: {e.filename}") from None
+    events = read_trace(args.artifact)
     with open(out, "w") as f:
         json.dump(chrome_trace(events, f"{artifact['scenario']} seed {artifact['seed']}"), f)
     print(f"wrote {out} ({len(events)} events): open it in ui.perfetto.dev or chrome://tracing")
@@ -1382,11 +1411,14 @@ class _Signals:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupted(signals: _Signals) -> int:
-    """Print what ran before the interrupt; the exit status of the signal."""
+def _interrupted(signals: _Signals, json_output: bool) -> int:
+    """Print what ran before the interrupt (``json_output``: as the last line of stdout too, as
+    every ``--json`` command ends); the exit status of the signal."""
     terminated = signals.terminated or "SIGTERM" in stop_requested
     name = "SIGTERM" if terminated else "Ctrl-C"
     finished = [s for p in _progress for s in p.finished]
+    if json_output:
+        print(json.dumps({"interrupted": "SIGTERM" if terminated else "SIGINT", "results": finished}), flush=True)
     print(f"omnisim: stopped by {name}", file=sys.stderr)
     if finished:
         schedules = sum(s.get("schedules", 0) for s in finished)
@@ -1418,9 +1450,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     _progress.clear()
     stop_requested.clear()
+    json_output = False
     with _Signals().installed() as signals:
         try:
             args = build_parser().parse_args(argv)
+            json_output = bool(getattr(args, "json", False))
             if args.needs_registry:
                 from omnisim import registry
 
@@ -1439,7 +1473,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_VIOLATION
         except BaseException as e:
             if is_interrupt(e):
-                return _interrupted(signals)
+                return _interrupted(signals, json_output)
             if isinstance(e, BrokenPipeError) and _reader_gone():
                 # Nothing more can reach the reader; stdout points at nothing so the exit is quiet.
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

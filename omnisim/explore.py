@@ -552,10 +552,14 @@ def _explore_with_hypothesis(
     @hypothesis.seed(seed)
     @hypothesis.given(SCHEDULES)
     def schedule_holds(choices: list[int]) -> None:
+        if stop_requested:
+            raise KeyboardInterrupt
         if not failing and time_limit is not None and time.perf_counter() - start > time_limit:
-            # Out of time: every further example passes at once (not reject(): an example that
-            # passed before and is rejected when Hypothesis replays it is a FlakyFailure).
-            return
+            # Out of time: the search ends now. Not an example that passes at once (Hypothesis
+            # would go on drawing its whole budget of them) nor reject() (an example that passed
+            # before and is rejected when replayed is a FlakyFailure): a BaseException, which
+            # Hypothesis lets through at once, replaying nothing.
+            raise _OutOfTime
         res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant, params=params)
         if stop_requested:
             raise KeyboardInterrupt
@@ -573,6 +577,8 @@ def _explore_with_hypothesis(
     schedule_holds._hypothesis_internal_database_key = hashlib.sha256(world.encode()).digest()  # type: ignore[attr-defined]
     try:
         schedule_holds()
+    except _OutOfTime:
+        pass
     except ScheduleFailed:
         shrunk, steered = failing[-1]
         entry: dict[str, Any] = {
@@ -589,6 +595,10 @@ def _explore_with_hypothesis(
 
 class ScheduleFailed(AssertionError):
     """A schedule broke an invariant (raised to Hypothesis, which then shrinks it)."""
+
+
+class _OutOfTime(BaseException):
+    """The search's time is up (raised through Hypothesis, which lets it through at once)."""
 
 
 def save_artifact(res: RunResult, out_dir: str, plugins: list[str]) -> str:
@@ -719,6 +729,9 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
         return res, strategy
 
     res, strategy = once()
+    unknown = sorted(set(artifact.get("left_out", [])) - set(res.clients))
+    if unknown:  # (known only once the world ran: a scenario makes its clients as it goes)
+        raise UsageError(f"artifact {path!r} leaves out {unknown[0]!r}, a request {scn.name} does not make")
     difference = None
     if res.trace_digest != artifact["trace_digest"]:
         difference = _first_difference(path, res.trace_lines)

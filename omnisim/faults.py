@@ -188,8 +188,8 @@ def parse_fault(spec: str) -> Fault:
         if not sep or not name or not value:
             raise UnknownFaultError(f"fault {spec!r}: expected NAME=VALUE after '@', got {pair!r}")
         match[name] = value
-    if nth and not nth.isdigit():
-        raise UnknownFaultError(f"fault {spec!r}: expected a hit number after '#', got {nth!r}")
+    if nth and (not nth.isdigit() or int(nth) < 1):
+        raise UnknownFaultError(f"fault {spec!r}: expected a hit number from 1 after '#', got {nth!r}")
     return Fault(kind, match=match, nth=int(nth) if nth else 1, added=True)
 
 

@@ -63,6 +63,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[str, ...]:
         check_input_text(args.text)
     except RequestRejected as e:
         raise UsageError(f"--text: {e}") from None
+    if args.processes and args.store != "posix":
+        raise UsageError("--processes needs --store posix: stage processes share /dev/shm")
     modalities = _modalities(args.modalities)
     if args.word_timestamps and "audio" not in modalities:
         raise UsageError("--word-timestamps needs the audio modality")

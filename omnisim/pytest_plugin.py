@@ -19,6 +19,7 @@ the command that replays it::
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -32,8 +33,21 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a test explores
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("omnisim", "omnisim: explore scenarios from tests")
-    group.addoption("--omnisim-budget", type=int, default=None, help="schedules for every omnisim_explore call")
+    group.addoption(
+        "--omnisim-budget", type=_budget, default=None, help="schedules for every omnisim_explore call (at least 1)"
+    )
     group.addoption("--omnisim-artifacts", default=None, help="where failing schedules are saved (default: tmp_path)")
+
+
+def _budget(text: str) -> int:
+    """A budget from the command line: a whole number of schedules, at least one."""
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = 0
+    if budget < 1:
+        raise argparse.ArgumentTypeError(f"--omnisim-budget must be a whole number of schedules >= 1, got {text!r}")
+    return budget
 
 
 class Explorer:
@@ -62,7 +76,7 @@ class Explorer:
         res = explore(
             scenario,
             strategy=strategy,
-            budget=self.budget or budget,
+            budget=self.budget if self.budget is not None else budget,
             time_limit=time_limit,
             seed=seed,
             store=store,
@@ -71,7 +85,7 @@ class Explorer:
             out_dir=self.out_dir,
             plugins=_defining_files(scenario, mutant),
         )
-        if res.first_violation_after is not None:
+        if res.violations:  # a find, or (a mutant's undeclared invariant) breakage: either fails
             pytest.fail(_failure(res), pytrace=False)
         return res
 
@@ -103,12 +117,15 @@ def _defining_files(scenario: str, mutant: str | None) -> list[str]:
 
 
 def _failure(res: ExploreResult) -> str:
-    entry = next(e for e in res.violations if res.counts_entry(e))
-    lines = [
-        f"omnisim: {res.scenario} [{res.strategy}, {res.store}"
-        + (f", mutant {res.mutant}" if res.mutant else "")
-        + f"] broke an invariant after {res.first_violation_after} schedule(s), seed {entry['seed']}:"
-    ]
+    entry = next((e for e in res.violations if res.counts_entry(e)), res.violations[0])
+    where = f"omnisim: {res.scenario} [{res.strategy}, {res.store}" + (f", mutant {res.mutant}" if res.mutant else "")
+    if res.counts_entry(entry):
+        lines = [f"{where}] broke an invariant after {res.first_violation_after} schedule(s), seed {entry['seed']}:"]
+    else:
+        lines = [
+            f"{where}] is broken, not detected: seed {entry['seed']} broke invariants its mutant does not "
+            f"declare ({', '.join(sorted(res.wanted or ()))}):"
+        ]
     lines += [f"  {v['invariant']}: {v['message']}" for v in entry["violations"]]
     lines += [f"artifact: {entry['artifact']}", f"replay:   omnisim replay {entry['artifact']}"]
     return "\n".join(lines)

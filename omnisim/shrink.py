@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from omnisim.base import stop_requested
 from omnisim.faults import Fault
 from omnisim.report.timeline import Event, preemptions
 from omnisim.strategies.dfs import Bound, DfsStrategy
@@ -227,6 +228,10 @@ class _Shrinker:
     ) -> RunResult | None:
         """The run of ``strategy`` with ``faults``, leaving out ``left_out``, if it still fails."""
         res = await self._run(strategy, faults, left_out)
+        if stop_requested:
+            # The run was cut short, and fails for that alone: the shrink ends with it (the
+            # explore is stopped; nothing is saved of a world that was not run to its end).
+            raise KeyboardInterrupt
         self.runs += 1
         return res if self._still_fails(res) else None
 

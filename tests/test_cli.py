@@ -224,6 +224,15 @@ def test_explore_finds_mutant_and_replay_reproduces(
         (["pipeline", "run", "--text", "hi", "--out", "/proc/no/such.wav"], "cannot write to '/proc/no'"),
         (["pipeline", "run", "--text", "hi", "--modalities", "video"], "--modalities takes text and/or audio"),
         (["pipeline", "run", "--text", "hi", "--modalities", "text", "--word-timestamps"], "needs the audio"),
+        (["pipeline", "run", "--text", "hi", "--processes", "--store", "memory"], "--processes needs --store posix"),
+        (["run", "abort_during_put", "--strategy", "dfs"], "invalid choice: 'dfs'"),
+        (["explore", "abort_during_put", "--delays", "1"], "bound a dfs search"),
+        (["explore", "abort_during_put", "--fault", "put_fail#0"], "a hit number from 1"),
+        (
+            ["explore", "abort_during_put", "--strategy", "hypothesis", "--hypothesis-db", "/proc/no/such"],
+            "cannot write to '/proc/no/such'",
+        ),
+        (["mutate", "--list", "--scenario", "no_such_scenario"], "unknown scenario 'no_such_scenario'"),
     ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -585,6 +594,63 @@ def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, sta
     assert not any(out_dir.glob("*.json")), "the interrupted schedule was saved as a violation"
     assert _shm_names() <= before
     assert stopped_after < 30  # a generous bound for a loaded machine; the note gives the figure
+
+
+def test_an_interrupt_of_a_json_command_ends_its_stdout_with_json(tmp_path: Path) -> None:
+    before = _shm_names()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "100000", "--store", "posix", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    started = time.monotonic()
+    while not _shm_names() - before and time.monotonic() - started < 120:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["interrupted"] == "SIGINT" and isinstance(last["results"], list)
+
+
+def test_a_hypothesis_search_ends_when_its_time_is_up() -> None:
+    """Out of time, the search ends: it does not go on drawing its whole budget of examples."""
+    argv = ["explore", "abort_during_put", "--strategy", "hypothesis", "--time", "1", "--budget", "1000000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnisim.cli", *argv, "--hypothesis-db", ""],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no violation" in proc.stdout
+
+
+def test_an_unreadable_trace_is_a_usage_error_for_report_and_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["explore", "similar_ids", "--mutant", "prefix_cleanup", "--budget", "3", "--no-shrink"]
+    code, _, err = omnisim(capsys, *argv, "--out", str(tmp_path))
+    assert code == 1, err
+    (artifact,) = tmp_path.glob("*-seed*.json")
+    trace = artifact.with_name(artifact.name.removesuffix(".json") + ".trace.jsonl")
+    for garbage in (b"not json\n", b"\xff\xfe\n", b'{"i": 1}\n'):
+        trace.write_bytes(garbage)
+        for command in (
+            ["report", str(artifact), "--out", str(tmp_path / "r.html")],
+            ["trace", "export", str(artifact), "--perfetto"],
+        ):
+            code, _, err = omnisim(capsys, *command)
+            assert code == 2 and "is not a trace the simulator wrote" in err, err
+
+
+def test_an_empty_shard_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = omnisim(capsys, "explore", "abort_during_put", "--budget", "1", "--shard", "1/2")
+    assert code == 0 and "shard 1/2 has none of the 1 exploration(s) to run" in err
 
 
 def test_ctrl_c_is_never_a_crash_of_the_runtime() -> None:

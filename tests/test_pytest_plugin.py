@@ -75,6 +75,29 @@ def test_budget(omnisim_explore):
     result.assert_outcomes(passed=1)
 
 
+def test_a_mutant_that_breaks_what_it_does_not_declare_fails_as_broken(pytester: pytest.Pytester) -> None:
+    """Breakage is never a pass (nor a detection): the test fails, and says which it is."""
+    pytester.makepyfile(
+        test_broken=USER_TESTS.split("def test_my_scenario_holds")[0].replace(
+            'expect=("no-tombstones",)', 'expect=("aligner-complete",)'
+        )
+        + """
+def test_my_bug_is_caught(omnisim_explore):
+    omnisim_explore("usertest_roundtrip", budget=5, mutant="usertest_forgetful_receiver")
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert "is broken, not detected" in result.stdout.str()
+
+
+def test_a_budget_of_no_schedules_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_zero="def test_zero(omnisim_explore):\n    omnisim_explore('abort_during_put')\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--omnisim-budget", "0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--omnisim-budget must be a whole number of schedules >= 1" in result.stderr.str()
+
+
 def test_hypothesis_strategies_for_schedules_and_faults_work_with_given() -> None:
     """A user's property test: any schedule, with up to two storage faults, keeps the edge clean;
     and the same strategies find a re-created bug."""

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from omnisim.base import UsageError
+from omnisim.explore import load_artifact
 from omnisim.report.timeline import draw, preemptions, read_trace
 
 #: A page shows at most this many violations' timelines (each is an image).
@@ -47,8 +49,11 @@ def _read(folder: Path, name: str) -> Any:
     path = folder / name
     if not path.exists():
         return None
-    with path.open() as f:
-        return json.load(f)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {path}: {e}") from None
 
 
 def _check_section(results: list[dict[str, Any]]) -> str:
@@ -135,8 +140,7 @@ def _mutation_section(report: dict[str, Any]) -> str:
 
 
 def _violation_section(artifact_path: str) -> str:
-    with open(artifact_path) as f:
-        artifact = json.load(f)
+    artifact = load_artifact(artifact_path)
     events = read_trace(artifact_path)
     title = f"{artifact['scenario']} seed {artifact['seed']} ({artifact['strategy']['strategy']}, {artifact['store']})"
     png = base64.b64encode(draw(events, title)).decode()

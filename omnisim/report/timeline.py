@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from invariants.dataplane import FAULT_OF_A_SCENARIO
+from omnisim.base import UsageError
 
 #: A task that emitted one of these stopped by itself: switching away from it is no preemption.
 _STOPS = ("kernel.block", "kernel.wait", "kernel.crash", "kernel.killed", "process.killed", "process.paused")
@@ -26,14 +27,23 @@ class Event:
 
 
 def read_trace(artifact_path: str) -> list[Event]:
-    """The events of an artifact's run, from the ``.trace.jsonl`` saved beside it."""
+    """The events of an artifact's run, from the ``.trace.jsonl`` saved beside it; a trace that
+    is missing or not one the simulator wrote is a :class:`UsageError` naming it."""
     path = Path(artifact_path)
     trace = path.with_name(path.name.removesuffix(".json") + ".trace.jsonl")
     events = []
-    with trace.open() as f:
-        for line in f:
-            e = json.loads(line)
-            events.append(Event(e["i"], e["t"], e["task"], e["ev"], e["a"]))
+    try:
+        with trace.open(encoding="utf-8") as f:
+            for line in f:
+                e = json.loads(line)
+                events.append(Event(int(e["i"]), int(e["t"]), str(e["task"]), str(e["ev"]), dict(e["a"])))
+    except FileNotFoundError:
+        raise UsageError(f"the artifact's trace is missing: {trace}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the artifact's trace {trace}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:  # (JSON and UTF-8 errors are ValueErrors)
+        where = f"line {len(events) + 1}: {type(e).__name__}"
+        raise UsageError(f"{trace} is not a trace the simulator wrote ({where})") from None
     return events
 
 
