@@ -231,7 +231,8 @@ def _add_scenario_options(sp: argparse.ArgumentParser, strategies: tuple[str, ..
         "--strategy",
         choices=strategies,
         default="random",
-        help="how schedules are chosen (default: %(default)s)",
+        help="how schedules are chosen (default: %(default)s)"
+        + ("" if strategies == STRATEGIES else "; dfs and hypothesis search across runs: `omnisim explore`"),
     )
     sp.add_argument("--mutant", help="apply a mutant (a re-created historic bug; `omnisim list mutants`)")
     _add_faults(

@@ -134,6 +134,12 @@ def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage(client: op
     whole = _speech_pcm_alone(client)
     assert audio == whole  # each sample once, in order
     assert chunks[-1].usage is not None and chunks[-2].choices[0].finish_reason == "stop"
+    # Upstream's non-OpenAI ``metrics``: time since the request began, and each chunk's audio.
+    metrics = [(c.model_extra or {})["metrics"] for c in chunks[:-1]]
+    elapsed = [m["elapsed_s"] for m in metrics]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0
+    heard = sum(m.get("audio_s", 0) for m in metrics)
+    assert abs(heard - len(whole) / 2 / RATE) < 1e-3
 
 
 def _speech_pcm_alone(client: openai.OpenAI) -> bytes:

@@ -105,10 +105,11 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         chat = self._accept("chat", parse_chat, await _json_body(request))
+        began = current_kernel().now()
         rid = _request_id("chatcmpl")
         outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
         if chat.stream:
-            return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs))
+            return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs, began))
         collected = await _collect_unless_gone(request, outputs)
         if collected is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
@@ -136,17 +137,26 @@ class Server:
                 "model": self.model_name,
                 "choices": choices,
                 "usage": _usage(chat.text, text),
+                "metrics": _metrics(began, audio),
             }
         )
 
     async def _chat_chunks(
-        self, rid: str, prompt: str, audio_format: str, include_usage: bool, outputs: AsyncIterator[ClientOutput]
+        self,
+        rid: str,
+        prompt: str,
+        audio_format: str,
+        include_usage: bool,
+        outputs: AsyncIterator[ClientOutput],
+        began: float,
     ) -> AsyncIterator[dict[str, Any]]:
         created = int(_wall_clock())
 
-        def chunk(modality: str | None, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        def chunk(
+            modality: str | None, delta: dict[str, Any], finish: str | None = None, audio: Any = None
+        ) -> dict[str, Any]:
             body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
-            body |= {"model": self.model_name, "modality": modality}
+            body |= {"model": self.model_name, "modality": modality, "metrics": _metrics(began, audio)}
             return body | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
         said: list[str] = []
@@ -160,7 +170,7 @@ class Server:
                     yield chunk("text", {"role": "assistant", "content": out.data})
                 elif out.kind is OutputType.AUDIO:
                     data = base64.b64encode(encode(out.data, _wire_format(audio_format), SAMPLE_RATE)).decode()
-                    yield chunk("audio", {"role": "assistant", "content": data})
+                    yield chunk("audio", {"role": "assistant", "content": data}, audio=out.data)
         if error is not None:
             yield {"error": ApiError(f"the request failed: {error}", status=500).body()["error"]}
             return
@@ -524,6 +534,15 @@ def _usage(prompt: str, answer: str) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def _metrics(began: float, audio: Any) -> dict[str, float]:
+    """The non-OpenAI ``metrics`` of a chat completion or chunk (upstream's field): seconds since
+    the request was accepted, and the seconds of audio it carries (``audio``: samples, if any)."""
+    metrics = {"elapsed_s": round(current_kernel().now() - began, 6)}
+    if audio is not None:
+        metrics["audio_s"] = round(audio.numel() / SAMPLE_RATE, 6)
+    return metrics
 
 
 def _speech_usage(prompt: str, output_tokens: int) -> dict[str, Any]:
