@@ -22,6 +22,12 @@ class UsageError(ValueError):
     """A bad name or parameter given by the user (exit status 2)."""
 
 
+class Misuse(BaseException):
+    """A use of the harness that turns out impossible while a world runs (a crash fault that hits
+    a task of the harness's own process). A BaseException, so that no handler of the runtime under
+    test takes it for a failure of its own; the run stops and it is reported as a usage error."""
+
+
 class CommandFailed(Exception):
     """The command ran and its subject failed (a pipeline request): one line, exit status 1."""
 

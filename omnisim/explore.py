@@ -19,7 +19,7 @@ import trio
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from invariants import Violation, check
-from omnisim.base import STORES, UsageError, is_interrupt, stop_at_decisions, stop_requested
+from omnisim.base import STORES, Misuse, UsageError, is_interrupt, stop_at_decisions, stop_requested
 from omnisim.devshm import sweep_made_stores
 from omnisim.faults import Fault, FaultPlan, UnknownFaultError, fixed_fault
 from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
@@ -172,7 +172,13 @@ async def run_once_async(
         if fault_plan is not None:
             # Set once the world is built: it replaces a plan the world injected as well.
             kernel.faults = FaultPlan.fixed(fault_plan)
-        outcome = await kernel.run_async(lambda: world.run(scn.body))
+        try:
+            outcome = await kernel.run_async(lambda: world.run(scn.body))
+        except BaseException as e:
+            misuse = _misuse_in(e)
+            if misuse is not None:
+                raise UsageError(f"{scn.name}: {misuse}") from None
+            raise
         # A run the ordering cut short proves nothing about the runtime: it is reported as
         # unsatisfied instead of being checked.
         violations = [] if outcome.stop_reason == "unsatisfiable" else check(world.observed(outcome), scn.invariants)
@@ -203,6 +209,15 @@ async def run_once_async(
     )
 
 
+def _misuse_in(error: BaseException) -> Misuse | None:
+    """The :class:`Misuse` that stopped a run, alone or inside trio's exception groups."""
+    if isinstance(error, Misuse):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        return next((m for inner in error.exceptions if (m := _misuse_in(inner)) is not None), None)
+    return None
+
+
 def run(
     scenario: str,
     *,
@@ -217,14 +232,22 @@ def run(
     scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     with applied(m):
+        decisions = trio.run(_decisions_of, scn, store, mutant, params) if strategy == "pct" else None
         return run_once(
             scn,
             store=store,
-            strategy=make_strategy(strategy, seed, scn, constraints),
+            strategy=make_strategy(strategy, seed, scn, constraints, decisions_hint=decisions),
             seed=seed,
             mutant=mutant,
             params=params,
         )
+
+
+async def _decisions_of(scn: Scenario, store: str, mutant: str | None, params: Params | None) -> int:
+    """How many choices a run of this world makes (random, seed 0): the decisions pct draws its
+    change points among. The same for every seed, so the seed of a find is all a re-run needs."""
+    res = await run_once_async(scn, store, RandomStrategy(0), 0, mutant, params)
+    return len(res.choices) or DEFAULT_MAX_STEPS
 
 
 def run_schedule(
@@ -441,7 +464,7 @@ def _explore_schedules(
 
     def next_schedule(i: int, decisions: int | None) -> tuple[int, Callable[[], Strategy]] | None:
         """Schedule ``i``'s seed and a maker of its strategy (a second run needs a fresh one);
-        None once a search has run every schedule it can."""
+        None once a search has run every schedule it can. ``decisions``: pct's hint."""
         if search is None:
             run_seed = seed + i
             return run_seed, lambda: make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
@@ -453,7 +476,7 @@ def _explore_schedules(
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
-        decisions: int | None = None
+        decisions = await _decisions_of(scn, store, mutant, params) if strategy == "pct" else None
         for i in range(budget):
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
@@ -473,7 +496,6 @@ def _explore_schedules(
                     res.violations.append(Violation("deterministic", f"two runs of seed {run_seed} part at {parted}"))
             if stop_requested:
                 raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
-            decisions = len(res.choices) or decisions
             result.schedules += 1
             result.traces.add(res.trace_digest)
             result.seconds = time.perf_counter() - start
@@ -498,6 +520,8 @@ def _explore_schedules(
                 on_schedule(result)
             if found and stop_on_violation:
                 return
+        if search is not None and search.next_execution() is None:
+            result.exhausted = True  # the budget ended exactly where the bounded space does
 
     trio.run(loop)
 
@@ -712,8 +736,12 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
     scn.configurations(artifact.get("params"))
     faults = _fault_plan_of(artifact, path)
 
+    _recorded_gate(artifact, path)  # (a malformed one is refused before anything runs)
+
     def once() -> tuple[RunResult, ReplayStrategy]:
-        strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]])
+        # (a gate of its own for each run: an ordering follows its run's events)
+        gate = _recorded_gate(artifact, path)
+        strategy = ReplayStrategy(artifact["choices"], [tuple(e) for e in artifact["events"]], gate)
         with applied(mutant):
             res = run_once(
                 scn,
@@ -742,6 +770,17 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
             res.trace_lines, _replayed_elsewhere(path, plugins), ("this process", "a fresh one with another hash seed")
         )
     return ReplayResult(res, artifact["trace_digest"], strategy.diverged_at, difference, nondeterminism)
+
+
+def _recorded_gate(artifact: dict[str, Any], path: str) -> OrderedStrategy | None:
+    """The recorded strategy's hold on tasks, rebuilt for its replay: an ordered run's ordering."""
+    recorded = artifact["strategy"]
+    if not isinstance(recorded, dict) or recorded.get("strategy") != "ordered":
+        return None
+    constraints = recorded.get("constraints")
+    if not (isinstance(constraints, list) and all(isinstance(c, str) for c in constraints)):
+        raise UsageError(f"artifact {path!r}: an ordered run's strategy must list its constraints")
+    return OrderedStrategy(0, constraints)
 
 
 #: Prints the trace of one replay (``argv``: the artifact, then its plugins) as a JSON list.

@@ -61,6 +61,14 @@ def _us(seconds: float) -> int:
     return max(0, round(seconds * 1_000_000))
 
 
+def _wake_at(now_us: int, seconds: float) -> int | None:
+    """When a wait of ``seconds`` from ``now_us`` ends; None for never (an infinite wait). As
+    trio does, a negative or NaN duration is a ``ValueError`` of the caller's."""
+    if not seconds >= 0:
+        raise ValueError(f"a wait must be a non-negative number of seconds, got {seconds!r}")
+    return None if math.isinf(seconds) else now_us + _us(seconds)
+
+
 #: The simulated task a trio task runs (each trio task has its own context).
 _running: contextvars.ContextVar[SimTask] = contextvars.ContextVar("omnisim_sim_task")
 
@@ -166,6 +174,8 @@ class _SimGroup:
             me.state = BLOCKED
             me.waiting_for = f"{self.live} child task(s) to finish"
             self.waiter = me
+            # Said, as a lock's wait is: a wait for children is a wait (abort-non-blocking).
+            k._emit(me, "kernel.block", {"on": "task group"})
             await k._yield(me)
         # Killed children are parked for good; trio's nursery still waits for them.
         for task in k.killed:
@@ -237,9 +247,10 @@ class _SimSignal:
     async def wait(self, timeout: float, *, ready: Callable[[], bool] | None = None) -> bool:
         k = self.kernel
         me = k._me()
+        wake_at = _wake_at(k.clock_us, timeout)  # (a bad timeout raises before anything changed)
         me.notified = False
         me.state = SLEEPING
-        me.wake_at = k.clock_us + _us(timeout)
+        me.wake_at = wake_at
         me.waiting_for = f"signal {self.name} (timeout {timeout}s)"
         self.waiters.append(me)
         k._emit(me, "kernel.wait", {"on": f"signal:{self.name}"})
@@ -578,8 +589,10 @@ class SimKernel:
                     raise error
                 assert self.fault_action is not None, f"fault {fault.kind} needs a world to act it out"
                 self.fault_action(fault, me, attrs)
-                if me.state == KILLED:
-                    await self._yield(me)  # never returns: the process is gone
+                if me.state == KILLED or me.process in self._paused:
+                    # Killed, it never returns: the process is gone. Paused (SIGSTOP), it goes
+                    # on from here only once its process is continued.
+                    await self._yield(me)
 
     def note(self, name: str, /, **attrs: Attr) -> None:
         if name == "fault":
@@ -607,9 +620,9 @@ class SimKernel:
 
     async def sleep(self, seconds: float) -> None:
         me = self._me()
+        me.wake_at = _wake_at(self.clock_us, seconds)
         me.state = SLEEPING
-        me.wake_at = self.clock_us + _us(seconds)
-        me.waiting_for = f"sleep until {me.wake_at / 1e6:g}s"
+        me.waiting_for = "sleep for good" if me.wake_at is None else f"sleep until {me.wake_at / 1e6:g}s"
         self._emit(me, "kernel.wait", {"on": "sleep"})
         await self._yield(me)
 

@@ -25,7 +25,7 @@ from invariants.dataplane import ring_frames_held, ring_max_payload, ring_room, 
 from invariants.observed import ObservedWorld, Snapshot, StoreSnapshot, Stream
 from omnisim import devshm, tmpfs
 from omnisim.answers import Answers
-from omnisim.base import STORES, UsageError
+from omnisim.base import STORES, Misuse, UsageError
 from omnisim.faults import Fault, FaultPlan
 from omnisim.payloads import watch_payloads
 from omnisim.processes import FORGERIES, ProcessStore, SimProcesses, corrupt_segment, forge_segment
@@ -435,7 +435,7 @@ class World:
         """SIGKILL ``process``: its tasks stop for good, the locks it held are released, what it
         wrote stays; its memory (adapter, connector state) is gone from the snapshots."""
         if process == MAIN_PROCESS or process not in self.handles:
-            raise UsageError(f"cannot crash process {process!r}: only a stage with its own process can die")
+            raise Misuse(f"cannot crash process {process!r}: only a stage with its own process can die")
         kernel = current_kernel()
         assert isinstance(kernel, SimKernel)
         self.processes.kill(self.owners[process])

@@ -232,6 +232,7 @@ def test_explore_finds_mutant_and_replay_reproduces(
             "cannot write to '/proc/no/such'",
         ),
         (["mutate", "--list", "--scenario", "no_such_scenario"], "unknown scenario 'no_such_scenario'"),
+        (["run", "similar_ids", "--fault", "crash_reader"], "cannot crash process 'main'"),
     ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -708,6 +709,9 @@ def test_dfs_says_when_its_bounded_space_is_exhausted(capsys: pytest.CaptureFixt
     code, out, err = omnisim(capsys, *args, "--out", str(tmp_path))
     assert code == 0, err
     assert "bounded space exhausted: 48 schedules" in out  # the default schedule and its 47 one-step deviations
+    # A budget that ends exactly where the space does has exhausted it too.
+    code, out, err = omnisim(capsys, *args[:-1], "48", "--out", str(tmp_path))
+    assert code == 0 and "bounded space exhausted: 48 schedules" in out, err
     # Without --budget a search runs until it is exhausted (the random walk's 200 would cut it short).
     code, out, err = omnisim(capsys, "explore", "abort_during_put", "--strategy", "dfs", "--out", str(tmp_path))
     assert code == 0 and "bounded space exhausted: 636 schedules" in out, err

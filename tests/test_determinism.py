@@ -158,3 +158,33 @@ def test_replay_check_runs_the_schedule_again_under_another_hash_seed(tmp_path: 
     res = explore("detest_hash_order", budget=1, plugins=[str(plugin)], out_dir=str(tmp_path))
     rr = replay(str(res.artifact), check=True)
     assert rr.nondeterminism is not None and "a fresh one with another hash seed" in rr.nondeterminism
+
+
+def test_an_ordered_run_replays_behind_its_ordering(tmp_path: Path) -> None:
+    """A choice is recorded only where the ordering allowed two tasks or more: the replay holds
+    back what the ordering held back, or its choices fall on other decisions."""
+    from omnisim import explore as ex
+    from omnisim import registry
+
+    registry.load()
+    for seed in range(12):
+        res = ex.run("abort_during_put", seed=seed, strategy="ordered")
+        replayed = ex.replay(ex.save_artifact(res, str(tmp_path), []))
+        assert replayed.reproduced and replayed.diverged_at is None, (seed, replayed.first_difference)
+
+
+def test_the_seed_of_a_pct_find_is_all_a_rerun_needs(tmp_path: Path) -> None:
+    """pct's change points are drawn among the decisions of a random run of the same world, not
+    of the exploration's previous schedule: ``--seed N --budget 1`` finds what seed N found."""
+    from omnisim import explore as ex
+    from omnisim import registry
+
+    registry.load()
+    found = ex.explore(
+        "abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", budget=500, shrink_finds=False
+    )
+    assert found.first_violation_after is not None
+    seed = found.violations[0]["seed"]
+    again = ex.explore("abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", seed=seed, budget=1)
+    assert again.first_violation_after == 1
+    assert ex.run("abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", seed=seed).violations

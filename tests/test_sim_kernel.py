@@ -724,3 +724,80 @@ def test_a_hypothesis_schedule_can_choose_every_runnable_task() -> None:
     running = HypothesisStrategy([0, 1])
     running.current = tasks[5]  # type: ignore[assignment]
     assert running.choose(tasks).tid == 5 and running.choose(tasks).tid == 0  # type: ignore[arg-type]
+
+
+def test_a_process_paused_by_a_fault_stops_at_the_point_that_fired_it() -> None:
+    """``pause_stage`` is a SIGSTOP where it fires: nothing after that point runs until the
+    process is continued (it used to run on to its next point first)."""
+    seen: list[tuple[float, bool]] = []
+    committed = [False]
+    kernel = sim(0, faults=FaultPlan([Fault("pause_stage")]))
+    kernel.fault_action = lambda fault, task, attrs: kernel.pause_process(task.process, 3.0)
+
+    async def writer() -> None:
+        await kernel.point("shm.put.written", key="K")
+        committed[0] = True
+        await kernel.point("shm.put.committed", key="K")
+
+    async def reader() -> None:
+        await kernel.sleep(0.5)  # inside the pause
+        seen.append((kernel.now(), committed[0]))
+
+    async def main() -> None:
+        async with kernel.task_group() as tasks:
+            with kernel.as_process("stage"):
+                tasks.start_soon(writer, name="writer")
+            tasks.start_soon(reader, name="reader")
+
+    out = kernel.run(main)
+    assert out.stop_reason is None, out.detail
+    assert seen == [(0.5, False)] and committed[0]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_a_negative_or_nan_wait_is_the_callers_value_error_as_in_trio(bad: float) -> None:
+    raised: list[str] = []
+
+    async def main() -> None:
+        k = current_kernel()
+        for wait in (lambda: k.sleep(bad), lambda: k.signal("s").wait(bad)):
+            try:
+                await wait()
+            except ValueError as e:
+                raised.append(str(e))
+
+    out = sim().run(main)
+    assert out.stop_reason is None and len(raised) == 2, (out.detail, raised)
+
+
+def test_an_infinite_wait_waits_for_good() -> None:
+    woke: list[bool] = []
+
+    async def main() -> None:
+        k = current_kernel()
+        signal = k.signal("s")
+
+        async def waiter() -> None:
+            woke.append(await signal.wait(float("inf")))
+
+        async def notifier() -> None:
+            await k.sleep(3600)
+            signal.notify()
+
+        async with k.task_group() as tasks:
+            tasks.start_soon(waiter, name="waiter")
+            tasks.start_soon(notifier, name="notifier")
+
+    out = sim(horizon_s=7200).run(main)
+    assert out.stop_reason is None, out.detail
+    assert woke == [True]
+
+
+def test_a_wait_for_a_task_groups_children_is_said_as_a_wait() -> None:
+    async def main() -> None:
+        k = current_kernel()
+        async with k.task_group() as tasks:
+            tasks.start_soon(lambda: k.sleep(1), name="child")
+
+    out = sim().run(main)
+    assert ("main", "kernel.block", {"on": "task group"}) in events(out, "kernel.block")
