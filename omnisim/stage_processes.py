@@ -100,6 +100,7 @@ class _Lives:
         def point_upstream(namespace: str) -> None:
             producer[0] = namespace
             connector.upstream = world.handle(process, world.store_of(namespace))
+            stage.adapter.producer_moved()
 
         def kill() -> None:
             if world.alive(process):

@@ -27,6 +27,7 @@ from runtime.connectors.posix_store import PosixStore
 from runtime.control import Channel, ChannelClosed
 from runtime.kernel import KProcess, current_kernel
 from runtime.request import Request
+from runtime.sched.base import StageOutput
 from runtime.stage_process import decode_output
 from runtime.stages import OnOutput, StageTransport
 from runtime.supervisor import DEAD_AFTER_S, Supervised
@@ -270,25 +271,44 @@ class ProcessStage(Supervised):
                     self._death = self._death or f"its process exited ({e})"
                 return
             self._heard = k.now()
-            event = message.get("ev")
-            if event == "output":
-                self.compute_s = self._compute_before + float(message["compute_s"])
-                on_output(decode_output(message))
-            elif event == "failure":
-                self._failures.append((message["request_id"], message["reason"]))
-            elif event == "released":
-                self._releases[message["token"]] = int(message["removed"])
-                self._released.notify()
-            elif event == "residue":
-                self._residue = message["residue"]
-                self._releases[message["token"]] = 0
-                self._released.notify()
-            elif event == "heartbeat":
-                self.compute_s = self._compute_before + float(message["compute_s"])
-                self._residue = message["residue"]
-            elif event == "bye":
-                self._residue = message["residue"]
+            try:
+                said_bye, output = self._take(message)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                # Not what a stage process sends (a bug, or a process that is not ours any more):
+                # it is dead to the head, which goes on, rather than the head dying of it.
+                self._death = f"it sent a malformed message ({type(e).__name__}: {e})"
+                self._kill()
                 return
+            if output is not None:
+                on_output(output)
+            if said_bye:
+                if not self._stopping:
+                    self._death = "it stopped unasked"
+                return
+
+    def _take(self, message: dict[str, Any]) -> tuple[bool, StageOutput | None]:
+        """What one message says: whether the process said goodbye, and the output it carries,
+        if any. Fields that are not what a stage process sends raise (see the caller)."""
+        event = message.get("ev")
+        if event == "output":
+            self.compute_s = self._compute_before + float(message["compute_s"])
+            return False, decode_output(message)
+        if event == "failure":
+            self._failures.append((_text(message["request_id"]), _text(message["reason"])))
+        elif event == "released":
+            self._releases[_whole(message["token"])] = _whole(message["removed"])
+            self._released.notify()
+        elif event == "residue":
+            self._residue = _residue(message["residue"])
+            self._releases[_whole(message["token"])] = 0
+            self._released.notify()
+        elif event == "heartbeat":
+            self.compute_s = self._compute_before + float(message["compute_s"])
+            self._residue = _residue(message["residue"])
+        elif event == "bye":
+            self._residue = _residue(message["residue"])
+            return True, None
+        return False, None
 
     async def _send_loop(self) -> None:
         assert self._channel is not None
@@ -306,7 +326,12 @@ class ProcessStage(Supervised):
         it is killed, which ends the receive loop."""
         k = current_kernel()
         while self.alive:
+            asked = k.now()
             await self._changed.wait(DEAD_AFTER_S / 4)
+            if k.now() - asked > DEAD_AFTER_S / 2:
+                # The head itself stalled (a GC pause, a stopped terminal): the silence may be its
+                # own, with heartbeats unread in the socket. Its receive loop reads them first.
+                continue
             silent = k.now() - self._heard
             if self.alive and self._stopping and k.now() - self._stop_asked > STOP_GRACE_S:
                 # Asked to stop and still not gone (stopped, or hung): the stop ends here.
@@ -338,3 +363,21 @@ class ProcessStage(Supervised):
         if self._channel is not None:
             await self._channel.aclose()
         self._compute_before = self.compute_s
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _whole(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _residue(value: object) -> dict[str, list[str]]:
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, list) for k, v in value.items())):
+        raise TypeError("expected a residue: names to lists")
+    return value

@@ -70,6 +70,10 @@ def encode_output(out: StageOutput) -> dict[str, Any]:
 
 
 def decode_output(message: dict[str, Any]) -> StageOutput:
+    """The stage output a message carries; a field of the wrong type is a ``TypeError``."""
+    request_id, error = message["request_id"], message["error"]
+    if not isinstance(request_id, str) or not (error is None or isinstance(error, str)):
+        raise TypeError("an output's request_id must be a string and its error a string or null")
     body = message["data"]
     data: Any = None
     if isinstance(body, dict):
@@ -79,7 +83,7 @@ def decode_output(message: dict[str, Any]) -> StageOutput:
             data = TalkerFrame(body["talker"], body["full_payload"])
         else:
             data = body["audio"]
-    return StageOutput(message["request_id"], data, bool(message["finished"]), message["error"])
+    return StageOutput(request_id, data, bool(message["finished"]), error)
 
 
 class StageServer:
@@ -146,6 +150,7 @@ class StageServer:
                     self._post({"ev": "residue", "token": message["token"], "residue": self.stage.residue()})
                 elif op == "upstream":
                     self.stage.adapter.connector.upstream = PosixStore(message["namespace"])
+                    self.stage.adapter.producer_moved()
                 elif op == "shutdown":
                     self.stop()
                     return

@@ -80,8 +80,10 @@ class Supervised:
             self._on_death(self.spec.stage_id, reason, not self._stopping and self.restart == "restart")
             # A life that went silent may only be paused (SIGSTOP, swapped out): were its
             # namespace swept now, it could wake up and write into it again.
-            await self.bury()
-            self.sweep(self.namespace)
+            try:
+                await self.bury()
+            finally:  # (a head stopped meanwhile still removes what the dead life left)
+                self.sweep(self.namespace)
             if self._stopping or self.restart != "restart":
                 return
             if k.now() - born >= STABLE_AFTER_S:

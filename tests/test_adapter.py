@@ -371,6 +371,23 @@ async def test_a_taken_chunk_that_is_no_stage_payload_fails_its_request_at_once(
     edge.assert_clean()
 
 
+async def test_a_request_waiting_on_a_producer_that_moved_fails_at_once(store: Store) -> None:
+    """The producer stage died after it finished the request: the chunks it had sent went with
+    its namespace, so the request fails now, not at its input deadline."""
+    edge = Edge(store)
+    request = Request("R-code2wav", "R")
+    async with edge.running():
+        await edge.stage2.load_async(request)
+        edge.stage2.producer_moved()
+        with trio.fail_after(SETTLE_S):
+            while not edge.stage2.has_receive_failure(request.request_id):
+                await edge.stage2.chunk_ready.wait(10 * SETTLE_S)
+        (reason,) = edge.stage2.collect_failed_receive_request_ids().values()
+        assert reason == "producer stage 1 died: the chunks it had sent went with it"
+        await edge.stage2.finish_requests([request])
+    edge.assert_clean()
+
+
 async def test_a_release_whose_sweep_raises_still_answers(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The request's final sweep runs on the save loop; if it raises there (logged), the caller
     that waits for it gets an answer all the same: a request id is never held for good."""

@@ -221,3 +221,60 @@ def test_with_restart_fail_a_dead_stage_takes_the_engine_down() -> None:
     assert [(o.finished, o.error) for o in late] == [(True, SHUT_DOWN)]
     assert code2wav.restarts == 0
     assert store.segments() == [] and store.lock_files() == []
+
+
+EVIL_STAGE = """
+import json, os, sys
+import runtime.stage_process as sp
+
+spec = sys.argv[-1]
+original = sp.StageServer._report_loop
+
+async def report(self):
+    if json.loads(spec)["stage_id"] == 1 and not os.path.exists(MARKER):  # the Talker's first life only
+        open(MARKER, "w").close()
+        await self.channel.send(MESSAGE)
+        if MESSAGE["ev"] == "bye":
+            os._exit(0)
+    await original(self)
+
+sp.StageServer._report_loop = report
+sp.main([spec])
+"""
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"ev": "output"}, {"ev": "released", "token": ["x"], "removed": 0}, {"ev": "bye", "residue": {}}],
+    ids=["fields missing", "unhashable token", "goodbye unasked"],
+)
+def test_a_stage_that_sends_what_no_stage_sends_is_dead_to_the_head_which_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: dict[str, object]
+) -> None:
+    """A malformed message (or a goodbye nobody asked for) from a stage process ends that life,
+    which is restarted; it used to end the head, with every request in flight."""
+    child = tmp_path / "child.py"
+    child.write_text(f"MARKER = {str(tmp_path / 'sent')!r}\nMESSAGE = {message!r}\n" + EVIL_STAGE)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} {child} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr("runtime.process_stage.sys", type(sys)("sys_with_another_python"))
+    monkeypatch.setattr("runtime.process_stage.sys.executable", str(wrapper), raising=False)
+    store = PosixStore()
+    engine = engine_on(store, processes=True)
+    outputs: list[ClientOutput] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            with trio.fail_after(60):
+                while engine.stages[1].health()["restarts"] < 1 or not engine.stages[1].health()["alive"]:
+                    await trio.sleep(0.05)
+            outputs.extend(await answer(engine, "hello world", ("audio",), "after"))
+            engine.shutdown()
+
+    try:
+        trio.run(main)
+        assert outputs[-1].finished and outputs[-1].error is None
+    finally:
+        store.sweep()

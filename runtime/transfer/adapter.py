@@ -130,6 +130,11 @@ class ChunkTransferAdapter:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""
         return self.receiver.is_done_receiving_chunks(request_id)
 
+    def producer_moved(self) -> None:
+        """The stage before this one died, and its next life writes elsewhere: every request
+        still waiting for a chunk of the dead one fails (see :meth:`ChunkReceiver.producer_moved`)."""
+        self.receiver.producer_moved()
+
     async def cleanup_receiver(self, request_id: str) -> None:
         """Forget every receiver structure of ``request_id``; idempotent, keeps no tombstone."""
         await self.receiver.cleanup_receiver(request_id)

@@ -324,9 +324,16 @@ class ChunkReceiver:
 
     def _fail_if_producer_died(self) -> None:
         """Every request waiting for a chunk of a dead producer fails: nothing will come."""
-        if self.connector.producer_alive():
-            return
-        reason = f"producer stage {self.stage_id - 1} exited"
+        if not self.connector.producer_alive():
+            self._fail_waiting(f"producer stage {self.stage_id - 1} exited")
+
+    def producer_moved(self) -> None:
+        """The producer died and its next life writes into a new namespace: the chunks the dead
+        one sent went with its own, swept, so every request still waiting for one fails now
+        (a request the dead stage had finished would otherwise wait for its input deadline)."""
+        self._fail_waiting(f"producer stage {self.stage_id - 1} died: the chunks it had sent went with it")
+
+    def _fail_waiting(self, reason: str) -> None:
         for entry in self._pending_load_reqs:
             self.record_receive_failure(entry.request_id, reason)
         self._pending_load_reqs.clear()
