@@ -33,10 +33,11 @@ from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Patch, mutant
 from omnisim.world import World
 from runtime.connectors import keys
+from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
 from runtime.connectors.posix_store import NAMESPACE_PATTERN, PosixStore
-from runtime.connectors.ring import ALIGN, RingSettings
+from runtime.connectors.ring import ALIGN, FRAME, Ring, RingSettings
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.wire import WireError, decode, encode
 from runtime.kernel import current_kernel
@@ -267,6 +268,8 @@ async def hostile_keys_and_payloads(world: World) -> None:
             note_case(f"{name}, put and got back under an injected fault", seen, CLEAN_FAILURE)
         else:
             note_case(f"{name}, put and got back", seen, ROUND_TRIP)
+    if sender.send_ring is not None:
+        await a_ring_a_stray_write_broke(sender, receiver, edge)
     # The control plane between the head and a stage process frames its messages in the same
     # format, whole frames in memory (runtime.control): what the connector carries crosses there too.
     for name, payload in good_payloads().items():
@@ -276,6 +279,43 @@ async def hostile_keys_and_payloads(world: World) -> None:
         except WireError as e:
             seen = f"{type(e).__name__}: {e}"
         note_case(f"{name}, framed as a control message and read back", seen, ROUND_TRIP)
+
+
+#: What a stray write of another process of ours leaves in a ring: a frame's span off a frame
+#: boundary, a payload longer than its frame. (A head or tail moved by anyone but their owner is
+#: what ``ring-writes-locked`` reports itself.)
+STRAY_WRITES = ("span", "payload length")
+
+
+async def a_ring_a_stray_write_broke(sender: ShmConnector, receiver: ShmConnector, edge: tuple[str, str]) -> None:
+    """Bytes of a ring no producer of ours writes: no get or put raises out of them; the reader
+    finds nothing there, the producer's next put makes a new ring, and the edge goes on."""
+    for i, where in enumerate(STRAY_WRITES):
+        lost, kept = f"stray_{i}_0", f"stray_{i}_1"
+        await sender.put(*edge, lost, {"x": i})
+        memory = sender.store.open_ring(rings.edge_name(*edge))
+        ring = Ring.attach(memory) if memory is not None else None
+        frame = ring.find(lost) if ring is not None else None
+        if ring is None or frame is None:
+            note_case(f"a ring a stray write broke ({where})", "its frame is not on the ring", "on the ring")
+            continue
+        at = ring._at(frame.pos)
+        # (made under the ring's lock, as a process of ours makes its writes: what is wrong is
+        # the bytes, not who wrote them when)
+        assert ring.memory.try_lock(), "nobody else runs: the ring is free"
+        if where == "span":
+            FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.payload_len, frame.span + 3)
+        else:
+            FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.span, frame.span)
+        ring.memory.unlock()
+        ring.close()
+        got, taken = await outcome(lambda lost=lost: receiver.get(*edge, lost))  # type: ignore[misc]
+        note_case(f"a get from a ring a stray write broke ({where})", f"{got} {taken is None}", "ok True")
+        put_got, _ = await outcome(lambda i=i, kept=kept: sender.put(*edge, kept, {"x": i}))  # type: ignore[misc]
+        got, taken = await outcome(lambda kept=kept: receiver.get(*edge, kept))  # type: ignore[misc]
+        seen = ROUND_TRIP if put_got == got == "ok" and taken is not None and same({"x": i}, taken[0]) else f"{got}"
+        note_case(f"a put and a get after a stray write broke the ring ({where})", seen, ROUND_TRIP)
+        await sender.cleanup(lost)
 
 
 #: The edge the ring-filling connectors put on: none of the world's stages' (each edge has one
