@@ -244,9 +244,10 @@ def run(
 
 
 async def _decisions_of(scn: Scenario, store: str, mutant: str | None, params: Params | None) -> int:
-    """How many choices a run of this world makes (random, seed 0): the decisions pct draws its
-    change points among. The same for every seed, so the seed of a find is all a re-run needs."""
-    res = await run_once_async(scn, store, RandomStrategy(0), 0, mutant, params)
+    """How many choices a pct run of this world makes (seed 0): the decisions pct draws its change
+    points among (a random walk's runs switch tasks more often, and make more). The same for
+    every seed, so the seed of a find is all a re-run needs."""
+    res = await run_once_async(scn, store, PctStrategy(0), 0, mutant, params)
     return len(res.choices) or DEFAULT_MAX_STEPS
 
 

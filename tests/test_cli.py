@@ -567,22 +567,7 @@ def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, sta
     explorations run in worker processes (which the signal does not reach: their parent stops them)."""
     before = _shm_names()
     out_dir = tmp_path / "artifacts"
-    argv = ["explore", "--all", "--budget", "100000", "--store", "posix", "--out", str(out_dir), "--jobs", jobs]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnisim.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        # As a terminal's Ctrl-C finds it, even when this test runs as a background job (which
-        # starts with SIGINT ignored, and a child inherits that).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    # Wait until schedules run (each makes a namespace in /dev/shm), however long imports take.
-    started = time.monotonic()
-    while not _shm_names() - before and time.monotonic() - started < 120:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    proc = _a_long_exploration(tmp_path, before, "--out", str(out_dir), "--jobs", jobs)
     time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()
     sent = time.monotonic()
@@ -596,20 +581,28 @@ def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, sta
     assert stopped_after < 30  # a generous bound for a loaded machine; the note gives the figure
 
 
-def test_an_interrupt_of_a_json_command_ends_its_stdout_with_json(tmp_path: Path) -> None:
-    before = _shm_names()
+def _a_long_exploration(cwd: Path, before: set[str], *argv: str) -> subprocess.Popen[str]:
+    """``explore --all`` on /dev/shm, once its schedules run (each makes a namespace there),
+    however long its imports take."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "100000", "--store", "posix", "--json"],
+        [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "100000", "--store", "posix", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=tmp_path,
+        cwd=cwd,
+        # As a terminal's Ctrl-C finds it, even when this test runs as a background job (which
+        # starts with SIGINT ignored, and a child inherits that).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     started = time.monotonic()
     while not _shm_names() - before and time.monotonic() - started < 120:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
+    return proc
+
+
+def test_an_interrupt_of_a_json_command_ends_its_stdout_with_json(tmp_path: Path) -> None:
+    proc = _a_long_exploration(tmp_path, _shm_names(), "--json")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
