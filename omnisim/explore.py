@@ -232,23 +232,14 @@ def run(
     scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     with applied(m):
-        decisions = trio.run(_decisions_of, scn, store, mutant, params) if strategy == "pct" else None
         return run_once(
             scn,
             store=store,
-            strategy=make_strategy(strategy, seed, scn, constraints, decisions_hint=decisions),
+            strategy=make_strategy(strategy, seed, scn, constraints),
             seed=seed,
             mutant=mutant,
             params=params,
         )
-
-
-async def _decisions_of(scn: Scenario, store: str, mutant: str | None, params: Params | None) -> int:
-    """How many choices a pct run of this world makes (seed 0): the decisions pct draws its change
-    points among (a random walk's runs switch tasks more often, and make more). The same for
-    every seed, so the seed of a find is all a re-run needs."""
-    res = await run_once_async(scn, store, PctStrategy(0), 0, mutant, params)
-    return len(res.choices) or DEFAULT_MAX_STEPS
 
 
 def run_schedule(
@@ -465,7 +456,7 @@ def _explore_schedules(
 
     def next_schedule(i: int, decisions: int | None) -> tuple[int, Callable[[], Strategy]] | None:
         """Schedule ``i``'s seed and a maker of its strategy (a second run needs a fresh one);
-        None once a search has run every schedule it can. ``decisions``: pct's hint."""
+        None once a search has run every schedule it can."""
         if search is None:
             run_seed = seed + i
             return run_seed, lambda: make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
@@ -477,7 +468,7 @@ def _explore_schedules(
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
-        decisions = await _decisions_of(scn, store, mutant, params) if strategy == "pct" else None
+        decisions: int | None = None
         for i in range(budget):
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
@@ -497,6 +488,7 @@ def _explore_schedules(
                     res.violations.append(Violation("deterministic", f"two runs of seed {run_seed} part at {parted}"))
             if stop_requested:
                 raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
+            decisions = len(res.choices) or decisions
             result.schedules += 1
             result.traces.add(res.trace_digest)
             result.seconds = time.perf_counter() - start

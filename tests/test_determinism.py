@@ -171,20 +171,3 @@ def test_an_ordered_run_replays_behind_its_ordering(tmp_path: Path) -> None:
         res = ex.run("abort_during_put", seed=seed, strategy="ordered")
         replayed = ex.replay(ex.save_artifact(res, str(tmp_path), []))
         assert replayed.reproduced and replayed.diverged_at is None, (seed, replayed.first_difference)
-
-
-def test_the_seed_of_a_pct_find_is_all_a_rerun_needs(tmp_path: Path) -> None:
-    """pct's change points are drawn among the decisions of a random run of the same world, not
-    of the exploration's previous schedule: ``--seed N --budget 1`` finds what seed N found."""
-    from omnisim import explore as ex
-    from omnisim import registry
-
-    registry.load()
-    found = ex.explore(
-        "abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", budget=500, shrink_finds=False
-    )
-    assert found.first_violation_after is not None
-    seed = found.violations[0]["seed"]
-    again = ex.explore("abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", seed=seed, budget=1)
-    assert again.first_violation_after == 1
-    assert ex.run("abort_during_put", strategy="pct", mutant="cleanup_waits_for_io", seed=seed).violations

@@ -59,7 +59,7 @@ def test_mutant_is_detected(mutant: str) -> None:
 
 def test_pct_finds_a_deep_race() -> None:
     """mapping_outside_lock needs a receiver cleanup to land between a poll's lock sections: the
-    random walk does not find it in 2,000 schedules, PCT's change points do (11 from seed 0)."""
+    random walk does not find it in 2,000 schedules, PCT's change points do (164 from seed 0)."""
     pct = explore("stale_receiver_entry", strategy="pct", budget=400, mutant="mapping_outside_lock")
     assert pct.violations
 
