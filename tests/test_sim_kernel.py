@@ -772,23 +772,17 @@ def test_a_negative_or_nan_wait_is_the_callers_value_error_as_in_trio(bad: float
 
 def test_an_infinite_wait_waits_for_good() -> None:
     woke: list[bool] = []
+    signals: dict[str, object] = {}
 
-    async def main() -> None:
-        k = current_kernel()
-        signal = k.signal("s")
+    async def waiter() -> None:
+        signal = signals.setdefault("s", current_kernel().signal("s"))
+        woke.append(await signal.wait(float("inf")))  # type: ignore[attr-defined]
 
-        async def waiter() -> None:
-            woke.append(await signal.wait(float("inf")))
+    async def notifier() -> None:
+        await current_kernel().sleep(3600)
+        signals["s"].notify()  # type: ignore[attr-defined]
 
-        async def notifier() -> None:
-            await k.sleep(3600)
-            signal.notify()
-
-        async with k.task_group() as tasks:
-            tasks.start_soon(waiter, name="waiter")
-            tasks.start_soon(notifier, name="notifier")
-
-    out = sim(horizon_s=7200).run(main)
+    out = sim(horizon_s=7200).run(spawn(("waiter", waiter), ("notifier", notifier)))
     assert out.stop_reason is None, out.detail
     assert woke == [True]
 

@@ -296,10 +296,10 @@ class Ring:
         encoded = key.encode("ascii")
         pos, head = self._bounds()
         while pos < head:
-            state, key_len, _, span = self._described(pos, head)
+            state, key_len, payload_len, span = self._described(pos, head)
             at = self._at(pos)
             if state == READY and self.view[at + FRAME.size : at + FRAME.size + key_len] == encoded:
-                return self._frame(pos, head)
+                return Frame(pos, state, key, at + _align(FRAME.size + key_len), payload_len, span)
             pos += span
         return None
 
