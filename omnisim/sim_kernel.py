@@ -124,6 +124,9 @@ class SimTask:
     scope: trio.CancelScope | None = None
     #: A killed task's trio task was let go (see ``SimKernel._unwind``).
     unwound: bool = False
+    #: After a ``sleep(0)``: the ids of the tasks that were ready then and have not run since;
+    #: it runs again only after them (see ``SimKernel.sleep``).
+    behind: set[int] = field(default_factory=set)
 
     def describe(self) -> TaskState:
         if self.state == READY:
@@ -327,6 +330,8 @@ class SimKernel:
         self._paused: dict[str, int] = {}
         #: Tasks waiting for a descriptor to become readable, in the order they began to wait.
         self._fd_waiters: list[SimTask] = []
+        #: Tasks that slept 0 and still wait behind some of the tasks ready then.
+        self._yielded: list[SimTask] = []
         #: Virtual seconds one model computation takes (0: computing takes no time).
         self.compute_cost_s = 0.0
 
@@ -502,14 +507,14 @@ class SimKernel:
             ready = [t for t in self.tasks if t.state == READY]
             if self._paused:
                 ready = [t for t in ready if self._paused.get(t.process, 0) <= self.clock_us]
-            allowed = self.strategy.allowed(ready) if ready else ready
+            allowed = self._allowed(ready)
             if len(allowed) == 1:
-                return allowed[0]
+                return self._picked(allowed[0])
             if allowed:
                 self.strategy.current = self.current
                 pick = self.strategy.choose(allowed)
                 self.choices.append(pick.tid)
-                return pick
+                return self._picked(pick)
             timed = [t.wake_at for t in self.tasks if t.wake_at is not None]
             if self._paused:
                 self._paused = {p: until for p, until in self._paused.items() if until > self.clock_us}
@@ -529,6 +534,28 @@ class SimKernel:
                 if t.wake_at is not None and t.wake_at <= self.clock_us:
                     t.wake_at = None
                     t.state = READY
+
+    def _allowed(self, ready: list[SimTask]) -> list[SimTask]:
+        """The ready tasks the strategy may pick from: those that slept 0 sit out while a task
+        they yielded to is still waiting to run — unless nothing else may run."""
+        if not ready:
+            return ready
+        if self._yielded:
+            ids = {t.tid for t in ready}
+            fresh = [t for t in ready if not t.behind & ids]
+            allowed = self.strategy.allowed(fresh)
+            if allowed:
+                return allowed
+        return self.strategy.allowed(ready)
+
+    def _picked(self, task: SimTask) -> SimTask:
+        """Note that ``task`` runs next: those that yielded to it need wait for it no longer."""
+        if self._yielded:
+            task.behind.clear()
+            for waiting in self._yielded:
+                waiting.behind.discard(task.tid)
+            self._yielded = [t for t in self._yielded if t.behind]
+        return task
 
     def _wake_readable(self) -> None:
         """Make runnable every task whose descriptor became readable. Only the world's own tasks
@@ -620,7 +647,18 @@ class SimKernel:
 
     async def sleep(self, seconds: float) -> None:
         me = self._me()
-        me.wake_at = _wake_at(self.clock_us, seconds)
+        wake_at = _wake_at(self.clock_us, seconds)
+        if wake_at == self.clock_us:
+            # trio's sleep(0): the task stays runnable, behind the tasks that are ready now —
+            # not behind everything that becomes ready before nothing else can run. Once each of
+            # those has run a step, it is a candidate like any other.
+            me.behind = {t.tid for t in self.tasks if t.state == READY and t is not me}
+            if me.behind:
+                self._yielded.append(me)
+            self._emit(me, "kernel.wait", {"on": "sleep"})
+            await self._yield(me)
+            return
+        me.wake_at = wake_at
         me.state = SLEEPING
         me.waiting_for = "sleep for good" if me.wake_at is None else f"sleep until {me.wake_at / 1e6:g}s"
         self._emit(me, "kernel.wait", {"on": "sleep"})

@@ -39,6 +39,30 @@ async def test_a_request_without_input_parks_and_then_times_out() -> None:
     assert scheduler.residue() == {} and request.status is RequestStatus.FINISHED_ERROR
 
 
+async def test_an_abort_asked_for_while_its_request_ends_leaves_nothing_behind() -> None:
+    """Found by a pipeline scenario once ``sleep(0)`` yielded as trio's does: a client's abort
+    lands in the middle of the step that ends its request; a stage stopped before its next step
+    kept the abort for good (a tombstone)."""
+    import trio
+
+    scheduler = make_scheduler(0.05)
+    request = Request("r-code2wav", "r")
+    scheduler.add_request(request)
+    await scheduler.step()
+    await trio.sleep(0.1)
+    finish = scheduler.adapter.finish_requests
+
+    async def finish_as_the_abort_lands(requests: list[Request]) -> None:
+        scheduler.request_abort(request.request_id)
+        await finish(requests)
+
+    scheduler.adapter.finish_requests = finish_as_the_abort_lands  # type: ignore[method-assign]
+    (out,) = await scheduler.step()
+    assert out.error and "Timed out" in out.error
+    scheduler.shutdown()
+    assert scheduler.residue() == {}
+
+
 async def test_zero_disables_the_deadline_and_abort_frees_the_request() -> None:
     scheduler = make_scheduler(0)
     request = Request("r-code2wav", "r")

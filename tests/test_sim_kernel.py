@@ -795,3 +795,31 @@ def test_a_wait_for_a_task_groups_children_is_said_as_a_wait() -> None:
 
     out = sim().run(main)
     assert ("main", "kernel.block", {"on": "task group"}) in events(out, "kernel.block")
+
+
+def test_sleep_0_yields_to_the_tasks_ready_now_not_to_everything() -> None:
+    """As trio's ``sleep(0)``: the task goes behind the tasks that are ready at that moment — each
+    of them runs a step before it does — and then it is a candidate like any other, so its next
+    step may land between another task's points (a stage's loop sleeps 0 after every step)."""
+    ran: list[str] = []
+
+    async def yielder() -> None:
+        ran.append("y.slept")
+        await current_kernel().sleep(0)
+        ran.append("y.woke")
+
+    async def worker() -> None:
+        for i in range(6):
+            ran.append(f"w.{i}")
+            await current_kernel().point("w")
+
+    landed_between = False
+    for seed in range(20):
+        ran.clear()
+        out = sim(seed).run(spawn(("yielder", yielder), ("worker", worker)))
+        assert out.stop_reason is None, out.detail
+        slept = ran.index("y.slept")
+        if "w.5" not in ran[:slept]:
+            assert ran[slept + 1].startswith("w."), ran  # the worker was ready: it goes first
+        landed_between |= ran.index("y.woke") < ran.index("w.5")
+    assert landed_between

@@ -158,6 +158,9 @@ class StageScheduler:
         request.status = status
         self.requests.pop(request.request_id, None)
         self.waiting_since.pop(request.request_id, None)
+        # An abort asked for meanwhile has nothing left to act on: a stage that stops before its
+        # next step would otherwise keep it for good.
+        self.pending_aborts.pop(request.request_id, None)
 
     def _structures(self) -> dict[str, Any]:
         """Every per-request structure, by name (for :meth:`residue`)."""
