@@ -142,6 +142,7 @@ RING_HEADER = 64
 RING_ALIGN = 64
 _RING_WORDS = struct.Struct("<QQ")  # head, tail at byte 16
 _RING_FRAME = struct.Struct("<IIQQ")  # state, key length, payload length, span
+_RING_RETIRED = struct.Struct("<I")  # at byte 36
 _RING_FINISHED = (3, 4, 5)  # DONE, CANCELLED, PAD: space a reserve may take back
 
 
@@ -181,6 +182,12 @@ def _ring_frames(view: memoryview) -> Iterator[tuple[int, int, str, int]]:
         key = bytes(view[at + _RING_FRAME.size : at + _RING_FRAME.size + key_len]).decode("ascii", "replace")
         yield pos, state, key, span
         pos += span
+
+
+def ring_retired(view: memoryview) -> bool:
+    """Whether the ring whose bytes are ``view`` was retired (found corrupt: no reader takes a
+    frame of it any more)."""
+    return len(view) >= RING_HEADER and _RING_RETIRED.unpack_from(view, 36)[0] != 0
 
 
 def ring_unread_keys(view: memoryview) -> set[str]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from invariants.dataplane import ring_unread_keys
+from invariants.dataplane import ring_retired, ring_unread_keys
 from runtime.connectors.base import CorruptChunk, PutResult
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.ring import edge_name
@@ -42,6 +42,8 @@ class _Cleanup:
     #: The rings of the edges the connector put on.
     rings: set[str]
     unread: bool | None = None
+    #: The edges whose rings held the key unread when the cleanup decided.
+    unread_on: set[str] = field(default_factory=set)
 
 
 class Answers:
@@ -88,7 +90,7 @@ class Answers:
             finally:
                 del self._cleaning[task]
             if asked.unread is not None:
-                _check(f"the cleanup of {key}", f"removed: {removed}", f"removed: {asked.unread}")
+                _check(f"the cleanup of {key}", f"removed: {removed}", f"removed: {self._removed(asked)}")
             if task in self._removed_by_prefix:
                 self._removed_by_prefix[task] += removed
             return removed
@@ -128,7 +130,17 @@ class Answers:
         store, key = self._raw(asked.connector.store), asked.key
         if store.segment_exists(key) and not self._planted(store, f"seg-{key}"):
             return True
-        return any(key in ring_unread_keys(view) for edge, view in self._rings(store) if edge in asked.rings)
+        asked.unread_on = {e for e, view in self._rings(store) if e in asked.rings and key in ring_unread_keys(view)}
+        return bool(asked.unread_on)
+
+    def _removed(self, asked: _Cleanup) -> bool:
+        """What the cleanup removed, in truth: its unread chunk — unless the chunk was on a ring
+        that is retired or gone by now (found corrupt, by a reader before or by the cleanup
+        itself): lost with it, not removed."""
+        if not asked.unread_on:
+            return bool(asked.unread)
+        live = {edge for edge, view in self._rings(self._raw(asked.connector.store)) if not ring_retired(view)}
+        return bool(asked.unread_on & live)
 
 
 def _put_answer(result: PutResult, key: str) -> str:

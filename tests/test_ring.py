@@ -181,6 +181,26 @@ async def test_a_corrupt_ring_is_retired_and_the_edge_goes_on_with_a_new_one(sto
     assert store.rings() == [] and store.segments() == [] and store.lock_files() == []
 
 
+@pytest.mark.parametrize("found_by", ["reader", "cleanup"])
+async def test_a_producer_removes_its_corrupt_ring_without_waiting_for_a_put(store: Store, found_by: str) -> None:
+    """A corrupt ring holds nothing anyone reads: its producer removes it as soon as it learns,
+    from its reader's retirement (at its next reap) or by finding it so itself, even if the edge
+    never sees another put."""
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    await put(producer, "R_1_1", chunk(1))
+    _stray_write(store, "span")
+    if found_by == "reader":
+        assert await consumer.get("1", "2", "R_1_1") is None
+        producer.reap_consumed()
+    else:
+        assert await producer.cleanup("R_1_0") is False  # the frame broken: lost with the ring
+    assert store.rings() == []
+    assert producer.residue()["ring_keys"] == []
+    await close(producer, consumer)
+    assert store.rings() == [] and store.segments() == [] and store.lock_files() == []
+
+
 async def test_a_put_that_finds_its_ring_corrupt_sends_all_the_same(store: Store) -> None:
     producer, consumer = pair(store)
     await put(producer, "R_1_0", chunk(0))

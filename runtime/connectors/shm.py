@@ -276,6 +276,10 @@ class ShmConnector:
         log.error("the ring of %s is corrupt and retired (the chunks it held are lost): %s", edge, error)
         current_kernel().note("ring.corrupt", edge=edge)
         ring.retire()
+        if self._send_rings.get(edge) is ring:
+            # Ours: nothing on it is read any more, so its name goes now, not at the edge's next
+            # put (there may be none).
+            self._drop_send_ring(edge, ring)
 
     def _cancel_ring_frame(self, key: str) -> bool:
         """Cancel the ring frame of ``key`` this connector put, if it is still being written or
@@ -670,13 +674,15 @@ class ShmConnector:
         edge, pos = self._ring_keys[key]
         ring = self._send_rings[edge]
         try:
-            if pos >= ring.tail:
+            if ring.retired:  # its reader found it corrupt
+                self._drop_send_ring(edge, ring)
+            elif pos >= ring.tail:
                 frame = ring.frame(pos)
                 if frame.key == key and frame.state in (rings.WRITING, rings.READY):
                     return True
         except rings.RingCorrupt as e:
             self._retire_corrupt(ring, edge, e)
-        del self._ring_keys[key]
+        self._ring_keys.pop(key, None)  # (gone already if the ring went)
         return False
 
     # -- wakeups, health, residue, close -----------------------------------------------------
