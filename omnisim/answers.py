@@ -48,18 +48,18 @@ class _Cleanup:
 
 class Answers:
     """The answers of a world's connectors. ``raw``: a connector's store without its process's
-    handle; ``planted``: whether the scenario planted a name of a store's namespace (``seg-K``:
-    a segment that is not the connector's to remove); ``rings``: a store's rings of ours, by
-    edge, with their bytes."""
+    handle; ``foreign``: whether a name of a store's namespace holds what the scenario planted
+    there and is not ours (``seg-K``: a segment that is not the connector's to remove);
+    ``rings``: a store's rings of ours, by edge, with their bytes."""
 
     def __init__(
         self,
         raw: Callable[[Store], Store],
-        planted: Callable[[Store, str], bool],
+        foreign: Callable[[Store, str], bool],
         rings: Callable[[Store], Iterator[tuple[str, memoryview]]],
     ) -> None:
         self._raw = raw
-        self._planted = planted
+        self._foreign = foreign
         self._rings = rings
         #: The cleanup each trio task is in, and the cleanups a cleanup_prefix of it made.
         self._cleaning: dict[trio.lowlevel.Task, _Cleanup] = {}
@@ -128,7 +128,7 @@ class Answers:
 
     def _unread(self, asked: _Cleanup) -> bool:
         store, key = self._raw(asked.connector.store), asked.key
-        if store.segment_exists(key) and not self._planted(store, f"seg-{key}"):
+        if store.segment_exists(key) and not self._foreign(store, f"seg-{key}"):
             return True
         asked.unread_on = {e for e, view in self._rings(store) if e in asked.rings and key in ring_unread_keys(view)}
         return bool(asked.unread_on)

@@ -28,7 +28,7 @@ from runtime.connectors.namespaces import Owner
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import Ring
 from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, Store
-from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER
+from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER, encode
 
 SIM_PID_NAMESPACE = "sim"
 
@@ -294,6 +294,8 @@ FORGERIES = {
     "header_past_the_end": "runs past the end",
     "too_short": "frame too short",
     "header_not_msgpack": "corrupt header",
+    "not_a_payload": "holds no stage payload",
+    "empty_payload": "holds no stage payload",
 }
 
 _CODES_SHAPE = [16, 25]
@@ -327,6 +329,13 @@ def forge_segment(store: Store, key: str, lie: str = "overlapping") -> None:
     _rewrite_chunk(store, key, lambda _: forged_frame(lie))
 
 
+def intact_forgery(lie: str) -> object | None:
+    """What a forged frame that tells no lie about its bytes carries (``not_a_payload``,
+    ``empty_payload``): a connector hands it out as any intact frame, and its taker must refuse
+    it. None for the other lies, which no get hands out."""
+    return {"not_a_payload": ["codes", 256], "empty_payload": {}}.get(lie)
+
+
 def forged_frame(lie: str = "overlapping") -> bytes:
     """A frame of codes that were never sent, with a valid trailer and checksum, whose header
     lies about its buffers: ``overlapping``, the flags' one-byte buffers lie inside the codes'
@@ -336,11 +345,15 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     frame is longer than it is; ``uncommitted``, its trailer has no commit magic; ``bad_magic``
     and ``header_past_the_end``, its prefix has a foreign magic or a header length past the
     frame's end; ``too_short``, it is a prefix and nothing more; ``header_not_msgpack``, its
-    header is not msgpack; the others, the codes'
+    header is not msgpack; ``not_a_payload`` and ``empty_payload``, it is an intact frame, but of
+    a list and of an empty dict, not of a stage payload; the others, the codes'
     reference names an extension type or a dtype that does not exist, an array of objects,
     negative dimensions, is not msgpack, gives its offset as a string, or has three fields, not
     four. The checksum covers what a reader that did not check the references would take: the
     head, then each buffer's bytes as its shape needs them, in the header's order."""
+    intact = intact_forgery(lie)
+    if intact is not None:
+        return encode(intact)
     codes = np.full(_CODES_SHAPE, 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
     # Where the codes' and the flags' buffers are, from the start of the buffers; what the body holds there.
     if lie == "overlapping":

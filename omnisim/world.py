@@ -27,8 +27,15 @@ from omnisim import devshm, tmpfs
 from omnisim.answers import Answers
 from omnisim.base import STORES, Misuse, UsageError
 from omnisim.faults import Fault, FaultPlan
-from omnisim.payloads import watch_payloads
-from omnisim.processes import FORGERIES, ProcessStore, SimProcesses, corrupt_segment, forge_segment
+from omnisim.payloads import as_carried, fingerprint, watch_payloads
+from omnisim.processes import (
+    FORGERIES,
+    ProcessStore,
+    SimProcesses,
+    corrupt_segment,
+    forge_segment,
+    intact_forgery,
+)
 from omnisim.ring_locks import RingLocks
 from omnisim.sim_kernel import MAIN_PROCESS, SimKernel, SimOutcome, SimTask
 from runtime.connectors import namespaces, posix_store
@@ -153,7 +160,7 @@ class World:
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
         self._offered: dict[str, set[Hashable]] = {}
         #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
-        self.answers = Answers(self._raw, self._planted_at, ring_views)
+        self.answers = Answers(self._raw, self._foreign_at, ring_views)
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
@@ -281,6 +288,13 @@ class World:
         """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace."""
         return isinstance(store, PosixStore) and (
             os.path.join(self.shm_dir, f"omnisim-{store.namespace}-{name}") in self._planted_here
+        )
+
+    def _foreign_at(self, store: Store, name: str) -> bool:
+        """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace and
+        what is there is not ours (a planted file of ours is the runtime's to replace or remove)."""
+        return self._planted_at(store, name) and devshm.not_ours(
+            os.path.join(self.shm_dir, f"omnisim-{store.namespace}-{name}")
         )
 
     def _live_fifos(self) -> list[str]:
@@ -489,6 +503,9 @@ class World:
         elif fault.kind == "forged_frame":
             for store, _ in self.namespaces.values():
                 forge_segment(store, key, self.forgery)
+            intact = intact_forgery(self.forgery)
+            if intact is not None:  # as if a peer put it: the get may hand it out, the receiver must refuse it
+                self._offered.setdefault(key, set()).add(fingerprint(as_carried(intact)))
         else:
             raise UsageError(f"fault {fault.kind!r} is not one the world acts out")
 

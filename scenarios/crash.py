@@ -417,8 +417,9 @@ def corrupt_as(world: World, params: Params) -> None:
     "corrupt_chunk",
     summary="the bytes of a committed chunk change before Code2Wav reads them (a flipped byte; a forged frame with "
     "a valid checksum whose header lies: buffers that overlap, a buffer too short for its shape, one that runs "
-    "into the commit trailer or starts before the buffers, a reference that is not one): they are never "
-    "accepted, and the request fails naming the key and, for a forged frame, the lie",
+    "into the commit trailer or starts before the buffers, a reference that is not one; an intact frame of something "
+    "that is no stage payload): they are never accepted, and the request fails naming the key and, for a forged "
+    "frame, the lie",
     issue="omnisim issue 9 (checksums, decode safety)",
     own=TALKER,
     params=(CORRUPTION,),

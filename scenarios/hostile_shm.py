@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -223,13 +224,24 @@ def note_planted(world: World) -> None:
 
 EDGE_PLANT = Param(
     "plant",
-    ("ring_foreign_mode", "ring_symlink", "ring_garbage_of_ours", "segment_foreign_mode", "lock_foreign_mode"),
+    (
+        "ring_foreign_mode",
+        "ring_symlink",
+        "ring_garbage_of_ours",
+        "segment_foreign_mode",
+        "segment_sparse",
+        "lock_foreign_mode",
+    ),
     "what sits at a name of the edge before the Talker makes it: at its ring's, a file others may read (mode 644), "
     "a symlink, or a file of ours holding no ring; at a chunk's segment's, a file others may read holding a "
-    "committed frame of codes never sent; at a chunk's lock file's, a file others may read",
+    "committed frame of codes never sent, or a file of ours holding such a frame with a hole where its zeros are "
+    "(never reserved: a put of ours reserves every byte first); at a chunk's lock file's, a file others may read",
 )
 #: The plants that take a name a chunk's put needs: its put fails (unless the chunk went on a ring).
 TAKEN_NAMES = ("segment_foreign_mode", "lock_foreign_mode")
+#: The plants that fail the request of a reader that finds them before the chunk's put replaced
+#: them (a segment of ours that is not an intact chunk is a corrupt one).
+CORRUPT_NAMES = ("segment_sparse",)
 #: The chunk whose segment name ``segment_foreign_mode`` (or lock file name, ``lock_foreign_mode``) takes.
 PLANTED_KEY = "R_1_1"
 
@@ -253,6 +265,11 @@ def plant_edge_names(world: World, params: Params) -> None:
     elif params["plant"] == "lock_foreign_mode":
         lock = _regular_file(world.plant(f"lock-{PLANTED_KEY}"), b"", mode=0o644)
         planted.append(record(f"a file others may read at the lock file name of {PLANTED_KEY}", lock))
+    elif params["plant"] == "segment_sparse":
+        codes = torch.zeros((NUM_CODEBOOKS, SPARSE_FRAMES), dtype=torch.int64)
+        codes[0, 0] = 2047
+        _sparse_file(world.plant(f"seg-{PLANTED_KEY}"), encode({"codes": {"audio": codes}}))
+        _regular_file(world.plant(f"lock-{PLANTED_KEY}"), b"")  # as a put leaves one
     else:
         never_sent = {"codes": {"audio": torch.full((NUM_CODEBOOKS, 4), 2047)}}
         segment = _regular_file(world.plant(f"seg-{PLANTED_KEY}"), encode(never_sent), mode=0o644)
@@ -262,13 +279,34 @@ def plant_edge_names(world: World, params: Params) -> None:
     world.observers["planted"] = planted
 
 
+#: Codec frames of the sparse plant's chunk: 128 KiB of codes, nearly all zeros.
+SPARSE_FRAMES = 1024
+
+
+def _sparse_file(path: str, content: bytes) -> str:
+    """``content`` in a file of ours, with a hole over the whole pages of its longest run of zeros:
+    a reader sees the same bytes, but they were never reserved."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    zeros = max(re.finditer(rb"\x00+", content), key=lambda m: m.end() - m.start())
+    start, end = -(-zeros.start() // page) * page, zeros.end() // page * page
+    assert end > start, "no whole page of zeros to leave out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.pwrite(fd, content[:start], 0)
+        os.pwrite(fd, content[end:], end)
+    finally:
+        os.close(fd)
+    return path
+
+
 @hostile_scenario(
     "hostile_edge_names",
     summary="a name of the Talker → Code2Wav edge is taken before the Talker makes it: its ring's, by a file others "
     "may read, a symlink or a file of ours holding no ring; a chunk's segment's, by a file others may read holding a "
-    "frame of codes never sent; a chunk's lock file's, by a file others may read: the foreign names are left alone "
-    "(the edge goes over segments, or the chunk's put fails), ours is replaced by a ring, and no reader takes a "
-    "frame from a name that is not ours or not a ring",
+    "frame of codes never sent, or by a file of ours holding such a frame with a hole (never reserved); a chunk's "
+    "lock file's, by a file others may read: the foreign names are left alone (the edge goes over segments, or the "
+    "chunk's put fails), ours are replaced, and no reader takes a frame from a name that is not ours, not a ring "
+    "or not reserved",
     issue="omnisim issue 9 (a hostile /dev/shm), issue 13 (the ring's attach checks)",
     own=CODE2WAV,
     params=(EDGE_PLANT,),
@@ -278,7 +316,7 @@ def plant_edge_names(world: World, params: Params) -> None:
 async def hostile_edge_names(world: World) -> None:
     req = EdgeRequest(world, "R")
     # A put that meets a foreign name fails its request; one that goes on the ring does not.
-    taken = world.params.get("plant") in TAKEN_NAMES and isinstance(world.store, PosixStore)
+    taken = world.params.get("plant") in TAKEN_NAMES + CORRUPT_NAMES and isinstance(world.store, PosixStore)
     req.stream.allowed_outcomes = frozenset({"finished", "failed"} if taken else {"finished"})
     await in_process(
         [("stage2", "R.consume", lambda: receive(req)), (MAIN_PROCESS, "R.produce", lambda: send(req, CHUNKS))]
