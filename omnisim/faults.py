@@ -15,6 +15,9 @@ kind                       fires at (default)    what happens
 ``foreign_name``           ``shm.put.locked``    the segment's name is taken by a foreign object
 ``put_raise_after_create`` ``shm.put.written``   ``put`` raises with the segment left behind
 ``decode_fail``            ``shm.get.consumed``  the bytes were taken but do not decode
+``get_raise``              ``shm.get.begin``     ``get`` raises before it touched anything
+``cleanup_raise``          ``shm.cleanup.begin`` ``cleanup`` raises before it removed anything
+                                                 (a bug, or an interrupted call)
 ``crash_writer``           ``shm.put.written``   the writing task's process dies there (SIGKILL):
                                                  no ``finally`` runs, its locks are released,
                                                  what it wrote stays
@@ -76,6 +79,7 @@ FAULT_KINDS: dict[str, tuple[str, Callable[[dict[str, Attr]], BaseException] | N
     "put_raise_after_create": ("shm.put.written", lambda a: InjectedCrash(f"injected raise after creating {_key(a)}")),
     "decode_fail": ("shm.get.consumed", lambda a: InjectedDecodeError(f"injected decode failure for {_key(a)}")),
     "get_raise": ("shm.get.begin", lambda a: InjectedStoreError(f"injected read failure for {_key(a)}")),
+    "cleanup_raise": ("shm.cleanup.begin", lambda a: InjectedCrash(f"injected raise in the cleanup of {_key(a)}")),
     "crash_writer": ("shm.put.written", None),
     "crash_reader": ("shm.get.locked", None),
     "stall": ("shm.get.locked", None),

@@ -560,6 +560,15 @@ class World:
         }
         self.snapshots.append(Snapshot(label, stores, residue, health=health))
 
+    def chunks_held(self) -> set[str]:
+        """The keys whose chunks the run's namespaces hold, in a segment or unread on a ring, read
+        with the harness's own code."""
+        held: set[str] = set()
+        for store, _ in self.namespaces.values():
+            held.update(store.segments())
+            held.update(key for _, view in ring_views(store) for key in ring_unread_keys(view))
+        return held
+
     def check_unread_frames_report(self) -> None:
         """What the runtime reports unread on each namespace's rings (a pipeline run's residue)
         must be what the harness reads there (``answers-true``); done at quiescence, and where a

@@ -22,7 +22,9 @@ a namespace it owns; the other stage reads from there):
   runs while Code2Wav may still be taking it (handing its segment back as a spare of the dead
   Talker's namespace): the sweep leaves nothing all the same;
 * ``corrupt_chunk`` — the bytes of a committed chunk change (a flipped byte, or a forged frame
-  with a valid checksum whose header lies about its buffers): the consumer never accepts them.
+  with a valid checksum whose header lies about its buffers): the consumer never accepts them;
+* ``cleanup_raises`` — the connector's cleanup of one key raises, in the reclaim an abort queued
+  or in the release sweep: the reclaim goes on past it, the release still answers.
 
 Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks content.
 """
@@ -47,8 +49,11 @@ from scenarios.edge import (
     TALKER,
     EdgeRequest,
     MergeWatch,
+    abort,
     check_failures,
     codec_frames,
+    produce,
+    release,
     synthetic_codec_chunk,
     wait_for_chunk,
     watch_code2wav,
@@ -480,3 +485,40 @@ async def failed_put(world: World) -> None:
         not result.ok and named,
         f"the failed put reported {result.metadata!r}, which names none of the causes {causes}",
     )
+
+
+RAISING_SWEEP = Param(
+    "raises",
+    ("reclaim", "release"),
+    "which sweep meets the cleanup that raises: the reclaim of an aborted request's unread chunks, or the release "
+    "sweep of a finished request's",
+)
+#: The chunk whose cleanup raises, of the three the request sends.
+RAISING_KEY = "R_1_1"
+
+
+@crash_scenario(
+    "cleanup_raises",
+    summary="request R sends three chunks nobody reads; the connector's cleanup of the second one raises (a bug, or "
+    "an interrupted call), in the reclaim its abort queued or in the release sweep once it finished: the reclaim "
+    "goes on to the keys after it, the release still answers (the id is freed), and the key it could not remove "
+    "goes with the next sweep of the id",
+    issue="omnisim issue 11 (a blind spot of the mutation score: sweeps that raise)",
+    own=TALKER,
+    params=(RAISING_SWEEP,),
+    faults=lambda p: FaultPlan([Fault("cleanup_raise", match={"key": RAISING_KEY})]),
+)
+async def cleanup_raises(world: World) -> None:
+    req = EdgeRequest(world, "R")
+    k = current_kernel()
+    reclaim = world.params["raises"] == "reclaim"
+    req.stream.allowed_outcomes = frozenset({"aborted"})
+    await produce(req, [4, 3, 3], finish=not reclaim)  # (a sent terminal: no reclaim, the release sweeps)
+    await k.sleep(0.5)
+    await abort(req)
+    if reclaim:
+        await k.sleep(0.5)  # the reclaim runs on the save loop
+        left = sorted(world.chunks_held())
+        world.probe("no-orphan-shm", left == [RAISING_KEY], f"the reclaim left {left}, not only {RAISING_KEY}")
+    await release(req)  # (a release that never answered would hang here)
+    await release(req)

@@ -585,6 +585,7 @@ def test_fault_nth_hit_and_point_table() -> None:
         "put_raise_after_create": "shm.put.written",
         "decode_fail": "shm.get.consumed",
         "get_raise": "shm.get.begin",
+        "cleanup_raise": "shm.cleanup.begin",
         "enospc_inodes": "shm.put.begin",
         "reserve_full": "shm.put.created",
         "foreign_name": "shm.put.locked",
