@@ -7,6 +7,7 @@ two, and what a full /dev/shm does to a ring.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from invariants.dataplane import ring_frames_held
 from omnisim import registry
@@ -395,3 +398,39 @@ def test_the_harness_reads_which_frames_hold_ring_space() -> None:
     assert not ring.commit(aborted)  # the writer comes back: it cancels what the cleanup aborted
     assert ring_frames_held(ring.memory.view) == ["R_1_0 (being written)", "R_1_1 (unread)"]
     assert ring_frames_held(memoryview(b"\xff" * 4096)) == []
+
+
+_RING_BYTES = 4096
+_DATA = _RING_BYTES - rings.HEADER_SIZE
+
+
+@given(
+    frames=st.binary(min_size=_DATA, max_size=_DATA),
+    tail=st.integers(0, 3 * _DATA) | st.sampled_from([0, rings.ALIGN, _DATA]),
+    ahead=st.integers(-rings.ALIGN, _DATA + rings.ALIGN),
+    keys=st.lists(st.sampled_from(["R_1_0", "R_1_1", "x"]), max_size=3),
+)
+@settings(max_examples=300, deadline=None)
+def test_fuzz_any_ring_bytes_give_frames_or_ring_corrupt(frames: bytes, tail: int, ahead: int, keys: list[str]) -> None:
+    """Whatever another process wrote into a ring of ours (its header stays ours: a bad one is
+    refused at attach), each move of a reader or a producer ends — a frame, nothing, or
+    ``RingCorrupt`` — and never raises anything else out of the bytes."""
+    store = MemoryStore()
+    memory = store.create_ring("edge_1_2", _RING_BYTES)
+    ring = Ring.made(memory, None)
+    ring.view[rings.HEADER_SIZE :] = frames
+    ring._words[rings._TAIL_AT // 8] = tail
+    ring._words[rings._HEAD_AT // 8] = max(0, tail + ahead)
+    moves = [
+        lambda: list(ring.frames()),
+        ring.unconsumed,
+        ring.release_finished,
+        *(lambda key=key: ring.find(key) for key in keys),
+        *(lambda key=key, i=i: ring.cancel(key, tail + i * rings.ALIGN) for i, key in enumerate(keys)),
+        *(lambda key=key: ring.reserve(key, 100) for key in keys),
+        lambda: ring.frame(tail),
+    ]
+    for move in moves:
+        with contextlib.suppress(rings.RingCorrupt):
+            move()
+    ring.close()
