@@ -554,7 +554,7 @@ class SimKernel:
             task.behind.clear()
             for waiting in self._yielded:
                 waiting.behind.discard(task.tid)
-            self._yielded = [t for t in self._yielded if t.behind]
+            self._yielded = [t for t in self._yielded if t.behind and t.state == READY]
         return task
 
     def _wake_readable(self) -> None:
