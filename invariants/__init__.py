@@ -40,17 +40,29 @@ def invariant(id: str, statement: str) -> Callable[[Checker], Checker]:
     return register
 
 
+class UnknownInvariant(LookupError):
+    """A name that no registered invariant has."""
+
+
 def check(world: ObservedWorld, ids: Iterable[str]) -> list[Violation]:
     """Run the named checkers, plus what the scenario's own probes found (``probe.failed``
-    events); in a stable order."""
+    events), of any invariant, run or not; in a stable order."""
     # One pass over the trace for every invariant's probes, not one per invariant.
     probed: dict[str, list[str]] = {}
     for e in world.trace:
         if e.name == "probe.failed":
             probed.setdefault(str(e.attrs["invariant"]), []).append(str(e.attrs["message"]))
+    unknown = sorted(set(probed) - set(INVARIANTS)) or sorted(set(ids) - set(INVARIANTS))
+    if unknown:
+        raise UnknownInvariant(
+            f"no invariant is named {unknown[0]!r} (a scenario's `invariants=`, or its probe): register it with "
+            "@invariants.invariant (a checker may find nothing itself and leave the verdict to probes)"
+        )
+    ids = list(ids)
     out: list[Violation] = []
-    for id in ids:
-        messages = INVARIANTS[id].check(world) + probed.get(id, [])
+    # A probe that failed is a violation whether or not the scenario runs that invariant's checker.
+    for id in [*ids, *sorted(set(probed) - set(ids))]:
+        messages = (INVARIANTS[id].check(world) if id in ids else []) + probed.get(id, [])
         out.extend(Violation(id, message) for message in messages)
     return out
 

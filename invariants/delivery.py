@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sysconfig
+
+import runtime
 from invariants import invariant
 from invariants.observed import ObservedWorld
 
@@ -73,7 +78,29 @@ def liveness(world: ObservedWorld) -> list[str]:
 
 @invariant("no-crash", "no runtime task dies with an exception")
 def no_crash(world: ObservedWorld) -> list[str]:
-    return [f"task {task} crashed: {_last_line(tb)}" for task, tb in world.crashes]
+    return [f"task {task} crashed: {_last_line(tb)}{_not_the_runtimes(tb)}" for task, tb in world.crashes]
+
+
+_RAISED_AT = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _not_the_runtimes(traceback: str) -> str:
+    """Where the exception was raised, if not in the runtime: a slip of the scenario's own code
+    (or of a test's) reads as one at a glance."""
+    # (the innermost frame of code of the runtime's, the harness's or a user's: not of a library
+    # one of them called)
+    places = [(path, line) for path, line in _RAISED_AT.findall(traceback) if not _in_a_library(path)]
+    if not places or places[-1][0].startswith(_RUNTIME):
+        return ""
+    return f" (raised outside the runtime, at {places[-1][0]}:{places[-1][1]})"
+
+
+_RUNTIME = os.path.dirname(runtime.__file__) + os.sep
+_LIBRARIES = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], "<frozen ")
+
+
+def _in_a_library(path: str) -> bool:
+    return path.startswith(_LIBRARIES) and not path.startswith(_RUNTIME)  # (an installed runtime is no library)
 
 
 def _last_line(traceback: str) -> str:

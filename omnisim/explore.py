@@ -18,7 +18,7 @@ import hypothesis
 import trio
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from invariants import Violation, check
+from invariants import UnknownInvariant, Violation, check
 from omnisim.base import STORES, Misuse, UsageError, is_interrupt, stop_at_decisions, stop_requested
 from omnisim.devshm import sweep_made_stores
 from omnisim.faults import Fault, FaultPlan, UnknownFaultError, fixed_fault
@@ -181,7 +181,11 @@ async def run_once_async(
             raise
         # A run the ordering cut short proves nothing about the runtime: it is reported as
         # unsatisfied instead of being checked.
-        violations = [] if outcome.stop_reason == "unsatisfiable" else check(world.observed(outcome), scn.invariants)
+        try:
+            checked = outcome.stop_reason != "unsatisfiable"
+            violations = check(world.observed(outcome), scn.invariants) if checked else []
+        except UnknownInvariant as e:
+            raise UsageError(f"scenario {scn.name!r}: {e.args[0]}") from None
     finally:
         sweep_made_stores()  # whatever the run made, even if it was stopped while building
     lines = outcome.trace_lines()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--omnisim-budget", type=_budget, default=None, help="schedules for every omnisim_explore call (at least 1)"
     )
     group.addoption("--omnisim-artifacts", default=None, help="where failing schedules are saved (default: tmp_path)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    artifacts = config.getoption("--omnisim-artifacts")
+    if artifacts is not None and os.path.exists(artifacts) and not os.path.isdir(artifacts):
+        raise pytest.UsageError(f"--omnisim-artifacts {artifacts!r} is not a folder")
 
 
 def _budget(text: str) -> int:
@@ -93,7 +100,10 @@ class Explorer:
 @pytest.fixture
 def omnisim_explore(request: pytest.FixtureRequest, tmp_path: Any) -> Explorer:
     """Explore a scenario under a budget; the test fails with the artifact and its replay command."""
-    out_dir = request.config.getoption("--omnisim-artifacts") or str(tmp_path / "omnisim-artifacts")
+    given = request.config.getoption("--omnisim-artifacts")
+    # (absolute now: a test may change the working folder before it finds something)
+    started_in = str(request.config.invocation_params.dir)
+    out_dir = os.path.join(started_in, given) if given else str(tmp_path / "omnisim-artifacts")
     return Explorer(out_dir, request.config.getoption("--omnisim-budget"))
 
 
@@ -127,5 +137,7 @@ def _failure(res: ExploreResult) -> str:
             f"declare ({', '.join(sorted(res.wanted or ()))}):"
         ]
     lines += [f"  {v['invariant']}: {v['message']}" for v in entry["violations"]]
-    lines += [f"artifact: {entry['artifact']}", f"replay:   omnisim replay {entry['artifact']}"]
+    artifact = entry.get("artifact")  # (none for a hypothesis search's breakage)
+    if artifact:
+        lines += [f"artifact: {artifact}", f"replay:   omnisim replay {shlex.quote(artifact)}"]
     return "\n".join(lines)

@@ -189,9 +189,12 @@ def scenario(
     ``unavailable(store)`` says why it cannot run on ``store`` on this machine (None: it can):
     a check leaves such a store out and says so; asking for it is a usage error."""
 
+    _names_of_invariants(f"scenario {name!r}", "invariants", invariants)
+
     def register(body: ScenarioBody) -> ScenarioBody:
+        _builtins_first(body)
         if name in SCENARIOS:
-            raise UsageError(f"scenario {name!r} is registered twice")
+            raise UsageError(f"scenario {name!r} is registered twice (first in {_where(SCENARIOS[name].body)})")
         SCENARIOS[name] = Scenario(
             name,
             summary,
@@ -211,6 +214,26 @@ def scenario(
     return register
 
 
+def _names_of_invariants(who: str, field: str, names: object) -> None:
+    """``names`` must be a tuple or list of invariant names (a lone string would be taken
+    letter by letter). Whether each is registered is checked when a run uses them: a plugin may
+    register its invariants after its scenarios."""
+    if isinstance(names, str) or not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"{who}: {field}= must be a tuple of invariant names, got {names!r}")
+
+
+def _builtins_first(fn: Callable[..., object]) -> None:
+    """Before a plugin registers anything, the built-ins do: a plugin that takes one of their
+    names then fails where it does so, naming itself, and the built-ins stay whole."""
+    if fn.__module__.split(".")[0] != BUILTIN_PLUGIN:
+        load()
+
+
+def _where(fn: Callable[..., object]) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
+
+
 def mutant(
     name: str,
     *,
@@ -226,10 +249,12 @@ def mutant(
 
     if not expect:
         raise UsageError(f"mutant {name!r} declares no invariant it must trip (expect=)")
+    _names_of_invariants(f"mutant {name!r}", "expect", expect)
 
     def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
+        _builtins_first(patches)
         if name in MUTANTS:
-            raise UsageError(f"mutant {name!r} is registered twice")
+            raise UsageError(f"mutant {name!r} is registered twice (first in {_where(MUTANTS[name].patches)})")
         MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios, expect, store)
         return patches
 
@@ -245,14 +270,22 @@ def applied(m: Mutant | None) -> Iterator[None]:
     saved: list[tuple[object, str, object]] = []
     try:
         for p in m.patches():
-            saved.append(
-                (p.owner, p.attr, vars(p.owner)[p.attr] if isinstance(p.owner, type) else getattr(p.owner, p.attr))
-            )
+            # A class's own attribute as it is (a staticmethod stays one); an inherited one is
+            # shadowed for the block, then uncovered again.
+            own = vars(p.owner).get(p.attr, _INHERITED) if isinstance(p.owner, type) else getattr(p.owner, p.attr)
+            saved.append((p.owner, p.attr, own))
             setattr(p.owner, p.attr, p.value)
         yield
     finally:
         for owner, attr, value in reversed(saved):
-            setattr(owner, attr, value)
+            if value is _INHERITED:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, value)
+
+
+#: Stands for a class attribute a patch shadowed that the class itself did not define.
+_INHERITED = object()
 
 
 def load_plugin(spec: str) -> ModuleType:
@@ -269,21 +302,37 @@ def load_plugin(spec: str) -> ModuleType:
             assert loader_spec is not None and loader_spec.loader is not None
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[mod_name] = module
-            loader_spec.loader.exec_module(module)
+            # Its own folder first, as when it ran as a script or a test: it may import its neighbours.
+            sys.path.insert(0, os.path.dirname(path))
+            try:
+                loader_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[mod_name]
+                raise
+            finally:
+                sys.path.remove(os.path.dirname(path))
             return module
         return importlib.import_module(spec)
-    except ModuleNotFoundError as e:
+    except ImportError as e:  # (a relative import, too: a plugin file is loaded on its own, not in its package)
         raise UsageError(f"cannot load plugin {spec!r}: {e}") from e
 
 
 def load(plugins: list[str] | None = None) -> None:
     """Load the built-in scenarios and mutants, then each plugin."""
-    load_plugin(BUILTIN_PLUGIN)
+    builtin = load_plugin(BUILTIN_PLUGIN)
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), BUILTIN_PLUGIN)
+    where = os.path.dirname(os.path.abspath(getattr(builtin, "__file__", None) or ours))
+    if where != ours:
+        raise UsageError(
+            f"a package named {BUILTIN_PLUGIN!r} at {where} hides omnisim's built-in scenarios ({ours}): rename it"
+        )
     for spec in plugins or []:
         load_plugin(spec)
 
 
 def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        load()  # (a caller of the Python API may not have loaded the built-ins)
     if name not in SCENARIOS:
         raise UsageError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
     return SCENARIOS[name]
@@ -293,5 +342,15 @@ def get_mutant(name: str | None) -> Mutant | None:
     if name is None:
         return None
     if name not in MUTANTS:
+        load()  # (a caller of the Python API may not have loaded the built-ins)
+    if name not in MUTANTS:
         raise UsageError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
-    return MUTANTS[name]
+    m = MUTANTS[name]
+    from invariants import INVARIANTS
+
+    unknown = [i for i in m.expect if i not in INVARIANTS]
+    if unknown:
+        raise UsageError(
+            f"mutant {name!r} expects {unknown[0]!r}, which is no invariant; known: {', '.join(INVARIANTS)}"
+        )
+    return m

@@ -5,11 +5,14 @@ A checker that cannot fail proves nothing; these tests are what keeps one from s
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import sysconfig
 
 import pytest
 import torch
 
+import runtime
 from invariants import INVARIANTS, Violation, check
 from invariants.dataplane import RING_HEADER, ring_room
 from invariants.observed import ObservedWorld, TraceEvent
@@ -457,3 +460,23 @@ def test_ring_room_releases_finished_frames_and_counts_the_remainder_at_the_end(
     assert ring_room(view, "k", 100) == (1024 - 896 - 128, 192)  # the 128 at the end are skipped
     frame(0, 3, 512)  # now DONE: both release
     assert ring_room(view, "k", 100) == (1024 - 128, 192)
+
+
+def test_a_crash_outside_the_runtime_says_where_it_was_raised() -> None:
+    """A scenario's own slip (found by a review: a user's scenario that raised read as a runtime
+    bug) names where it was raised; one raised in the runtime, or in a library it called, does not."""
+    from invariants.delivery import _not_the_runtimes
+
+    runtime_dir = os.path.dirname(runtime.__file__)
+    library = os.path.join(sysconfig.get_paths()["purelib"], "torch", "functional.py")
+
+    def traceback(*paths: str) -> str:
+        frames = "".join(f'  File "{p}", line {i + 1}, in f\n    x()\n' for i, p in enumerate(paths))
+        return f"Traceback (most recent call last):\n{frames}RuntimeError: boom"
+
+    assert (
+        _not_the_runtimes(traceback("/home/me/test_mine.py"))
+        == " (raised outside the runtime, at /home/me/test_mine.py:1)"
+    )
+    assert _not_the_runtimes(traceback("/home/me/test_mine.py", f"{runtime_dir}/stages.py")) == ""
+    assert _not_the_runtimes(traceback(f"{runtime_dir}/stages.py", library)) == ""

@@ -126,3 +126,77 @@ def test_hypothesis_strategies_for_schedules_and_faults_work_with_given() -> Non
 
     with pytest.raises(AssertionError):
         bug_hides()
+
+
+MISTAKES = """
+from omnisim.registry import Patch, mutant, scenario
+from omnisim.explore import run_schedule
+from runtime.sched.ar import ARScheduler
+from scenarios.edge import EdgeRequest, edge_world, serve
+
+
+@scenario("usertest_probe", summary="a probe of my own", issue="mine", build=edge_world)
+async def probe(world):
+    await serve(EdgeRequest(world, "P"), [2, 1])
+    world.probe("my-audio-matches", False, "the audio differs")
+
+
+@scenario("usertest_undeclared_probe", summary="a probe of an invariant I do not run", issue="mine",
+          build=edge_world, invariants=("no-crash",))
+async def undeclared(world):
+    await serve(EdgeRequest(world, "P"), [2, 1])
+    world.probe("no-orphan-shm", False, "my own look found a segment")
+
+
+@mutant("usertest_inherited", summary="a patch of an inherited method", issue="mine",
+        scenarios=("abort_during_put",), expect=("no-tombstones",))
+def inherited():
+    yield Patch(ARScheduler, "request_abort", lambda self, request_id: None)
+
+
+def test_an_unknown_probe_is_a_usage_error(omnisim_explore):
+    omnisim_explore("usertest_probe", budget=1)
+
+
+def test_a_probe_fails_the_run_even_if_its_checker_does_not_run(omnisim_explore):
+    omnisim_explore("usertest_undeclared_probe", budget=1)
+
+
+def test_a_patch_of_an_inherited_method_is_undone(omnisim_explore):
+    omnisim_explore("abort_during_put", budget=2, mutant="usertest_inherited")
+    assert "request_abort" not in vars(ARScheduler)
+
+
+def test_run_schedule_needs_no_explore_before_it():
+    assert run_schedule("abort_during_put", []).violations == []
+"""
+
+
+def test_a_users_mistakes_are_said_clearly(pytester: pytest.Pytester) -> None:
+    """Found by a review that wrote a test suite of its own: a probe of an invariant that does not
+    exist passed silently, a probe of one the scenario does not run was dropped, a patch of an
+    inherited method raised a KeyError, and ``run_schedule`` knew no scenario unless an explore
+    had run first."""
+    pytester.makepyfile(test_mistakes=MISTAKES)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    output = result.stdout.str()
+    assert "no invariant is named 'my-audio-matches'" in output
+    assert "no-orphan-shm: my own look found a segment" in output
+
+
+def test_a_user_scenario_that_takes_a_builtin_name_fails_where_it_is_registered(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_taken="""
+from omnisim.registry import scenario
+from scenarios.edge import edge_world
+
+@scenario("similar_ids", summary="mine", issue="mine", build=edge_world)
+async def mine(world):
+    pass
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    output = result.stdout.str()
+    assert "scenario 'similar_ids' is registered twice (first in " in output and "race_8082.py" in output
+    assert "test_taken.py" in output
