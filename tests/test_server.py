@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -285,6 +286,20 @@ def test_health_and_metrics(server: Running) -> None:
         ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),
         ("/v1/audio/speech", b"x" * (2 << 20), 413),
         ("/v1/nowhere", b"{}", 404),
+        # (found by a review that spoke raw HTTP: these were 500s)
+        ("/v1/audio/speech", b'{"input": "hi", "speed": ' + b"1" * 5000 + b"}", 400),
+        ("/v1/audio/speech", b'{"input": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True,
+                    "stream_options": {"include_usage": "no"},
+                }
+            ).encode(),
+            400,
+        ),
     ],
 )
 def test_bad_input_gets_a_4xx_in_openai_shape(server: Running, path: str, body: bytes, status: int) -> None:
@@ -532,3 +547,19 @@ def test_a_bad_pipeline_or_a_taken_port_is_a_usage_error(server: Running) -> Non
             timeout=120,
         )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("http", ["1.0", "1.1 close"])
+def test_a_stream_ends_its_connection_when_the_client_asked_for_that(server: Running, http: str) -> None:
+    """HTTP/1.0 and ``Connection: close`` clients (a proxy, by default) waited for good after the
+    last event: the connection was never closed (found by a review that spoke raw HTTP)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"input": "hi", "stream": True}).encode()
+    version, close = ("HTTP/1.0", "") if http == "1.0" else ("HTTP/1.1", "Connection: close\r\n")
+    head = f"POST /v1/audio/speech {version}\r\nHost: {host}\r\n{close}Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        received = b""
+        while chunk := sock.recv(65536):  # (a timeout raises: the connection stayed open)
+            received += chunk
+    assert b"speech.audio.done" in received

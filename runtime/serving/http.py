@@ -17,7 +17,7 @@ import json
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from runtime import serving
@@ -197,7 +198,7 @@ class Server:
             return _sse(_speech_events(speech.text, outputs), named=True)
         if speech.stream_format == "audio":
             media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
-            return StreamingResponse(_raw_audio(speech.response_format, outputs), media_type=media)
+            return _Streamed(_raw_audio(speech.response_format, outputs), media_type=media)
         collected = await _collect_unless_gone(request, outputs)
         if collected is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
@@ -263,6 +264,11 @@ class Server:
                     elif kind == "session.close":
                         await ws.close()
                         return
+                    elif message is _DROPPED:
+                        raise ApiError(
+                            f"messages sent while an utterance was spoken were dropped: more than {MAX_QUEUED} "
+                            f"messages or {MAX_QUEUED_CHARS} characters of text waited"
+                        )
                     else:
                         raise ApiError(f"unknown message type {kind!r}", param="type")
                 except ApiError as e:
@@ -299,7 +305,10 @@ class Server:
             async def watch_for_the_end() -> None:
                 nonlocal ended_by
                 while (message := await _next_message(ws)) is not None and message.get("type") != "session.close":
-                    inbox.append(message)
+                    if len(inbox) < MAX_QUEUED and _queued_chars(inbox) + _queued_chars([message]) <= MAX_QUEUED_CHARS:
+                        inbox.append(message)
+                    elif not inbox or inbox[-1] is not _DROPPED:
+                        inbox.append(_DROPPED)  # (said once the utterance ended, in order)
                 ended_by = message or {}
                 watch.cancel_scope.cancel()
 
@@ -423,12 +432,36 @@ async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> A
 
 
 async def _raw_audio(fmt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[bytes]:
+    """The audio as it comes. A request that failed raises instead of ending the stream: the
+    connection then drops without its last chunk, the one way a raw stream can tell its client
+    that what it got is not all there is."""
     if fmt == "wav":
         yield wav_header(SAMPLE_RATE, None)
     async with aclosing(outputs) as stream:
         async for out in stream:
             if out.kind is OutputType.AUDIO and not out.finished:
                 yield pcm16(out.data)
+            elif out.finished and out.error is not None:
+                raise StreamFailed(out.error)
+
+
+class StreamFailed(Exception):
+    """A streamed response's request failed after its headers were sent."""
+
+
+class _Streamed(StreamingResponse):
+    """Starlette's streaming response, whose last send is never cut short: under Hypercorn a
+    client's ``Connection: close`` (or HTTP/1.0) makes the server report a disconnect during that
+    send, and Starlette's cancellation then stopped Hypercorn half-way through closing — the
+    connection stayed open after the last byte, and the client waited for good."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        with anyio.CancelScope(shield=True):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _collect(
@@ -481,7 +514,20 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, named: bool = False) -> Respo
         if not named:
             yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _Streamed(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+#: What a speech session keeps of what its client sends while an utterance is spoken: the
+#: messages, and the text they hold (a client that sends faster than it is answered cannot make
+#: the server hold more); the rest is dropped, and the client told.
+MAX_QUEUED = 64
+MAX_QUEUED_CHARS = 2 * serving.MAX_INPUT_CHARS
+#: Stands in the inbox for the messages that were dropped.
+_DROPPED: dict[str, Any] = {"type": None}
+
+
+def _queued_chars(messages: Iterable[dict[str, Any]]) -> int:
+    return sum(len(m["text"]) for m in messages if isinstance(m.get("text"), str))
 
 
 async def _next_message(ws: WebSocket) -> dict[str, Any] | None:
@@ -493,7 +539,7 @@ async def _next_message(ws: WebSocket) -> dict[str, Any] | None:
             return None
         try:
             parsed = json.loads(message["text"]) if message.get("text") is not None else None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (not JSON; or an integer too long, or nesting too deep)
             parsed = None
         if isinstance(parsed, dict):
             return parsed
@@ -508,8 +554,8 @@ async def _json_body(request: Request) -> object:
             raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # (not JSON or UTF-8; an integer too long, nesting too deep)
+        raise ApiError(f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _wire_format(audio_format: str) -> str:

@@ -203,7 +203,7 @@ def parse_chat(raw: object) -> ChatRequest:
         modalities=tuple(modalities),
         audio_format=audio_format,
         stream=_field(body, "stream", _is_bool, "a boolean", False),
-        include_usage=bool(options.get("include_usage", True)),
+        include_usage=_field(options, "include_usage", _is_bool, "a boolean", True),
         model=_field(body, "model", _is_str, "a string", None),
     )
 
