@@ -567,7 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
     sp.add_argument(
-        "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
+        "--async-chunk",
+        choices=("on", "off"),
+        help="chunked hand-off between stages, or whole (default: the deploy file's, on)",
     )
     sp.add_argument("--ready-timeout", type=positive_float, default=120.0, help="seconds to wait for the stages")
     sp.add_argument("--access-log", action="store_true", help="log every request to stderr")
@@ -640,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sp.add_argument("--text", required=True, help="what to say (1 to 20000 characters, not only spaces)")
+    sp.add_argument("--pipeline", default="qwen3_omni", help="a shipped pipeline or a YAML path (default: %(default)s)")
     sp.add_argument("--modalities", default="text,audio", help="text, audio or text,audio (default: %(default)s)")
     sp.add_argument(
         "--out", default=os.path.join(RUNS_DIR, "out.wav"), help="the 24 kHz WAV to write (default: %(default)s)"
@@ -647,7 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
     sp.add_argument("--word-timestamps", action="store_true", help="also align every word (needs audio)")
     sp.add_argument(
-        "--async-chunk", choices=("on", "off"), default="on", help="chunked hand-off between stages, or whole"
+        "--async-chunk",
+        choices=("on", "off"),
+        help="chunked hand-off between stages, or whole (default: the deploy file's, on)",
     )
     sp.add_argument(
         "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"

@@ -118,10 +118,13 @@ def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tupl
         check_shape(config)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if args.async_chunk == "off":
-        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
+    if args.async_chunk is not None:
+        async_chunk = args.async_chunk == "on"
+        config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=async_chunk))
     if args.transport is not None:
         config = config.with_transport(args.transport)
+    if config.deploy.processes and args.store != "posix":
+        raise UsageError(f"{config.source} runs its stages as processes (processes: true): that needs --store posix")
     if args.store == "posix":
         reclaim_dead_namespaces()
     try:
@@ -137,7 +140,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from runtime.models.code2wav import SAMPLE_RATE
     from runtime.pipeline import Models, build_engine, run_request
 
-    config, store = engine_parts(args)
+    config, store = engine_parts(args, args.pipeline)
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:
@@ -171,7 +174,9 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "total_s": result.total_s,
         "model_s": result.model_s,
         "startup_s": result.startup_s,
-        "async_chunk": args.async_chunk,
+        "async_chunk": "on" if config.deploy.async_chunk else "off",
+        "transport": {f"{e.producer}->{e.consumer}": config.deploy.transport_of(*e).value for e in config.edges},
+        "pipeline": config.source,
         "residue": result.residue,
         "swept": leftovers,
     }

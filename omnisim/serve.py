@@ -76,7 +76,11 @@ def serve(args: argparse.Namespace) -> int:
     _survive_a_close_during_a_send()
     sock = listen(args.host, args.port)
     config, store = engine_parts(args, args.pipeline)
-    engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
+    try:
+        engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
+    except BaseException:
+        store.sweep()  # (its owner record is already in /dev/shm)
+        raise
     server = Server(engine, store, model_name=args.served_model_name or config.name)
     hypercorn = Config()
     host, port = sock.getsockname()[:2]
@@ -85,19 +89,23 @@ def serve(args: argparse.Namespace) -> int:
     hypercorn.errorlog = "-" if args.access_log else None  # the banner says where it listens
     hypercorn.graceful_timeout = 5.0
     received: list[int] = []
+    not_up: list[str] = []
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             stop = trio.Event()
 
+            listening = trio.CancelScope()
+
             async def on_signal() -> None:
-                async for signum in signals:
-                    received.append(signum)
-                    # The engine first: every request in flight ends now with an error terminal
-                    # its client is sent, so the server's graceful wait for them is short.
-                    engine.shutdown()
-                    stop.set()
-                    return
+                with listening:
+                    async for signum in signals:
+                        received.append(signum)
+                        # The engine first: every request in flight ends now with an error terminal
+                        # its client is sent, so the server's graceful wait for them is short.
+                        engine.shutdown()
+                        stop.set()
+                        return
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(on_signal)
@@ -105,7 +113,12 @@ def serve(args: argparse.Namespace) -> int:
                 with trio.move_on_after(args.ready_timeout) as waiting:
                     await engine.wait_ready(args.ready_timeout)
                 if waiting.cancelled_caught:
-                    raise CommandFailed(f"the stages were not up after {args.ready_timeout:g} s")
+                    # (said once the stages stopped: raised in here it would come out in a group)
+                    not_up.append(f"the stages were not up after {args.ready_timeout:g} s")
+                    engine.shutdown()
+                    listening.cancel()
+                    nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+                    return
                 where = "as processes" if engine_in_processes(engine) else "in process"
                 print(
                     f"serving {server.model_name} on http://{host}:{port} (stages {where}, "
@@ -120,6 +133,8 @@ def serve(args: argparse.Namespace) -> int:
         run(main, compute_in_threads=True)
     finally:
         store.sweep()
+    if not_up:
+        raise CommandFailed(not_up[0])
     if received:
         print(f"stopped by {signal.Signals(received[0]).name}", file=sys.stderr)
         return EXIT_BY_SIGNAL[signal.Signals(received[0])]

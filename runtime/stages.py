@@ -22,7 +22,7 @@ import torch
 
 from runtime.config.deploy import Transport
 from runtime.config.pipeline import PipelineConfig
-from runtime.config.topology import Edge, StageKind, StageSpec
+from runtime.config.topology import Edge, OutputType, StageKind, StageSpec
 from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import Store
@@ -365,9 +365,30 @@ def build_stage(
     return Stage(spec, adapter, ARScheduler(adapter, worker, input_wait_timeout_s), worker, meter)
 
 
+#: What each stage of the one shape this runtime runs must say: its kind, what it may return to
+#: the client, and the chunk processor of its outgoing edge (None: it sends none).
+SHAPE = (
+    (StageKind.LLM_AR, (OutputType.TEXT, None), "thinker2talker_async_chunk"),
+    (StageKind.LLM_AR, (None,), "talker2code2wav_async_chunk"),
+    (StageKind.LLM_GENERATION, (OutputType.AUDIO,), None),
+)
+
+
 def check_shape(config: PipelineConfig) -> None:
+    """Refuse, at start-up, a config this runtime cannot run as it says: a stage's model, kind,
+    final output or chunk processor that differs from the one shape it runs."""
     if tuple(s.model for s in config.stages) != MODELS:
         raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
+    for spec, (kind, outputs, processor) in zip(config.stages, SHAPE, strict=True):
+        at = f"{config.source}: pipeline.stages[{spec.stage_id}]"
+        if spec.kind is not kind:
+            raise ValueError(f"{at}.kind: the {spec.model} stage runs as {kind.value}, got {spec.kind.value}")
+        if spec.final_output not in outputs:
+            can = " or ".join("none" if o is None else o.value for o in outputs)
+            raise ValueError(f"{at}.final_output: the {spec.model} stage returns {can}, got {spec.final_output}")
+        if spec.async_chunk_processor not in (processor, None):
+            got = spec.async_chunk_processor
+            raise ValueError(f"{at}.async_chunk_processor: the {spec.model} stage's is {processor!r}, got {got!r}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable
 from importlib import resources
@@ -388,7 +389,7 @@ INVALID = [
     (edit("deploy.stages", {"stage_id": 0}), "deploy.stages: expected a list"),
     (edit("deploy.transport", "pipes"), "deploy.transport: expected one of ring, segments"),
     (edit("deploy.ring_bytes", 1000), "deploy.ring_bytes: expected an integer >= 65536, got 1000"),
-    (edit("deploy.ring_bytes", 65537), "deploy.ring_bytes: expected a multiple of 64 bytes, got 65537"),
+    (edit("deploy.ring_bytes", 65537), "deploy.ring_bytes: expected a multiple of 64 bytes, at most 67108864, got 65537"),
     (
         edit("deploy.edges", [{"from_stage": 0, "to_stage": 2, "transport": "ring"}]),
         "deploy.edges[0]: the pipeline has no edge 0 -> 2",
@@ -536,3 +537,80 @@ def test_connector_role_parses_to_the_enum() -> None:
     raw = shipped_raw("qwen3_omni")
     deploy_stage(raw, 2)["connector_role"] = "receiver"
     assert build_pipeline(raw).stage_deploy(2).connector_role is ConnectorRole.RECEIVER
+
+
+# -- files as users write them (found by a review that wrote its own) ---------------------------
+
+
+def _shipped_text() -> str:
+    return (resources.files("runtime.config") / "configs" / "qwen3_omni.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (_shipped_text() + "\ndeploy:\n  async_chunk: false\n", "the key 'deploy' is given twice"),
+        (b"name: \xff\xfe\n", "not UTF-8 text"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        ("# " + "x" * (2 << 20) + "\n", "larger than the 1024 KiB a config may be"),
+    ],
+)
+def test_a_file_that_is_no_config_is_refused_naming_itself(tmp_path: Path, content: str | bytes, error: str) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError, match=re.escape(error)) as raised:
+        load_pipeline(path)
+    assert str(path) in str(raised.value)
+
+
+def test_a_fifo_at_the_path_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a config must be a regular file"):
+        load_pipeline(fifo)
+
+
+def test_an_error_quotes_a_huge_value_cut_short(tmp_path: Path) -> None:
+    """Aliases let a tiny file hold a value whose repr runs to gigabytes."""
+    laughs = "deploy:\n  ring_bytes: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+    for level in range(1, 9):
+        laughs += f"  x{level}: &{'a' * (level + 1)} [" + ", ".join(["*" + "a" * level] * 9) + "]\n"
+    text = _shipped_text().split("deploy:")[0] + laughs.replace("deploy:\n", "deploy:\n", 1)
+    path = tmp_path / "laughs.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_pipeline(path)
+    assert len(str(raised.value)) < 400
+
+
+def test_the_runtime_refuses_a_shape_it_does_not_run() -> None:
+    from runtime.stages import check_shape
+
+    for edits, error in [
+        (edit("pipeline.stages.1.final_output", "text"), "pipeline.stages[1].final_output"),
+        (edit("pipeline.stages.0.final_output", "audio"), "pipeline.stages[0].final_output"),
+        (edit("pipeline.stages.2.kind", "LLM_AR"), "pipeline.stages[2].kind"),
+        (edit("pipeline.stages.1.kind", "LLM_GENERATION"), "pipeline.stages[1].kind"),
+        (edit("pipeline.stages.1.async_chunk_processor", "bogus_proc"), "pipeline.stages[1].async_chunk_processor"),
+    ]:
+        raw = shipped_raw("qwen3_omni")
+        edits(raw)
+        with pytest.raises(ValueError, match=re.escape(error)):
+            check_shape(build_pipeline(raw, source="mine.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("edits", "error"),
+    [
+        (edit("deploy.ring_bytes", 1 << 50), "at most 67108864"),
+        (
+            edit("deploy.edges", [{"from_stage": 1, "to_stage": 2, "transport": t} for t in ("segments", "ring")]),
+            "the edge 1 -> 2 is configured twice",
+        ),
+    ],
+)
+def test_deploy_settings_out_of_range_or_twice(edits: Callable[[Raw], None], error: str) -> None:
+    raw = shipped_raw("qwen3_omni")
+    edits(raw)
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        build_pipeline(raw, source="mine.yaml")

@@ -22,6 +22,9 @@ from runtime.config.fields import ConfigError, Fields
 DEFAULT_RING_BYTES = 4 << 20
 #: A ring is at least this big and a multiple of 64 bytes.
 MIN_RING_BYTES = 64 << 10
+#: ... and at most this big (upstream's range ends there too: a ring is mapped whole, its every
+#: page reserved, in each process of its edge).
+MAX_RING_BYTES = 64 << 20
 
 
 class ConnectorRole(StrEnum):
@@ -165,18 +168,23 @@ def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployCo
     if restart not in RESTART_POLICIES:
         raise ConfigError(f"{fields.at('restart')}: expected one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
     ring_bytes = fields.get_int("ring_bytes", DEFAULT_RING_BYTES, minimum=MIN_RING_BYTES)
-    if ring_bytes % 64:
-        raise ConfigError(f"{fields.at('ring_bytes')}: expected a multiple of 64 bytes, got {ring_bytes}")
+    if ring_bytes % 64 or ring_bytes > MAX_RING_BYTES:
+        raise ConfigError(
+            f"{fields.at('ring_bytes')}: expected a multiple of 64 bytes, at most {MAX_RING_BYTES}, got {ring_bytes}"
+        )
     edges = []
     for i, entry in enumerate(fields.get_list("edges")):
         edge_fields = Fields(entry, f"{fields.at('edges')}[{i}]", EDGE_KEYS)
-        edges.append(
-            EdgeDeploy(
-                edge_fields.get_int("from_stage", minimum=0),
-                edge_fields.get_int("to_stage", minimum=0),
-                edge_fields.get_enum("transport", Transport),
-            )
+        edge = EdgeDeploy(
+            edge_fields.get_int("from_stage", minimum=0),
+            edge_fields.get_int("to_stage", minimum=0),
+            edge_fields.get_enum("transport", Transport),
         )
+        if any((e.from_stage, e.to_stage) == (edge.from_stage, edge.to_stage) for e in edges):
+            raise ConfigError(
+                f"{edge_fields.at('from_stage')}: the edge {edge.from_stage} -> {edge.to_stage} is configured twice"
+            )
+        edges.append(edge)
     return DeployConfig(
         async_chunk=fields.get_bool("async_chunk", True),
         chunking=chunking,

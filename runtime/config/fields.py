@@ -7,6 +7,7 @@ offending edge, so a bad file fails at start-up with a message that says where t
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import TypeVar
@@ -28,7 +29,7 @@ class Fields:
 
     def __init__(self, raw: object, path: str, known: Iterable[str]) -> None:
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {raw!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {_shown(raw)}")
         known = tuple(known)
         for key in raw:
             if key not in known:
@@ -54,7 +55,7 @@ class Fields:
         value = self._raw.get(key)
         # bool only: 'yes' or 1 would otherwise pass a truthiness test and mean something else.
         if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"{self.at(key)}: expected bool, got {value!r}")
+            raise ConfigError(f"{self.at(key)}: expected bool, got {_shown(value)}")
         return value
 
     def get_bool(self, key: str, default: bool) -> bool:
@@ -69,23 +70,23 @@ class Fields:
             return default
         # bool is an int subclass in Python; `true` is never a frame count or a stage id.
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigError(f"{self.at(key)}: expected an integer >= {minimum}, got {value!r}")
+            raise ConfigError(f"{self.at(key)}: expected an integer >= {minimum}, got {_shown(value)}")
         return value
 
     def get_int_list(self, key: str, *, minimum: int) -> tuple[int, ...]:
         values = self._raw.get(key, [])
         values = [] if values is None else values
         if not isinstance(values, list):
-            raise ConfigError(f"{self.at(key)}: expected a list of integers, got {values!r}")
+            raise ConfigError(f"{self.at(key)}: expected a list of integers, got {_shown(values)}")
         for i, value in enumerate(values):
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ConfigError(f"{self.at(key)}[{i}]: expected an integer >= {minimum}, got {value!r}")
+                raise ConfigError(f"{self.at(key)}[{i}]: expected an integer >= {minimum}, got {_shown(value)}")
         return tuple(values)
 
     def get_optional_str(self, key: str) -> str | None:
         value = self._raw.get(key)
         if value is not None and (not isinstance(value, str) or not value):
-            raise ConfigError(f"{self.at(key)}: expected a non-empty string, got {value!r}")
+            raise ConfigError(f"{self.at(key)}: expected a non-empty string, got {_shown(value)}")
         return value
 
     def get_str(self, key: str, default: str | None = None) -> str:
@@ -102,7 +103,7 @@ class Fields:
             return None
         choices = [member.value for member in enum]
         if value not in choices:
-            raise ConfigError(f"{self.at(key)}: expected one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(f"{self.at(key)}: expected one of {', '.join(choices)}, got {_shown(value)}")
         return enum(value)
 
     def get_enum(self, key: str, enum: type[E]) -> E:
@@ -115,5 +116,11 @@ class Fields:
         values = self._raw.get(key, [])
         values = [] if values is None else values
         if not isinstance(values, list):
-            raise ConfigError(f"{self.at(key)}: expected a list, got {values!r}")
+            raise ConfigError(f"{self.at(key)}: expected a list, got {_shown(values)}")
         return values
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error quotes it, cut short (YAML aliases can make a tiny file hold a value
+    whose full repr runs to gigabytes)."""
+    return reprlib.repr(value)

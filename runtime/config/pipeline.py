@@ -7,7 +7,9 @@ A :class:`PipelineConfig` cannot exist in an invalid state: construction runs ev
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import os
+import stat
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,6 +25,8 @@ from runtime.config.topology import Edge, OutputType, StageSpec, Topology, parse
 
 #: Where the shipped configs live, inside this package.
 SHIPPED_DIR = "configs"
+#: The largest config file read (the shipped ones are a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -167,13 +171,42 @@ def _read(name_or_path: str | Path) -> tuple[str, str]:
         return f"{name_or_path}.yaml", resource.read_text(encoding="utf-8")
     path = Path(name_or_path)
     try:
-        return str(path), path.read_text(encoding="utf-8")
+        # (opened without blocking: a FIFO at the path must not hang the start-up)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"{path}: a config must be a regular file")
+            data = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
         raise ConfigError(f"{path}: cannot read the config: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than the {MAX_CONFIG_BYTES >> 10} KiB a config may be")
+    try:
+        return str(path), data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last one, and a second ``deploy:`` would silently drop the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_yaml(source: str, text: str) -> object:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # (a safe loader: plain data only)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
