@@ -44,22 +44,23 @@ class _Cleanup:
     unread: bool | None = None
     #: The edges whose rings held the key unread when the cleanup decided.
     unread_on: set[str] = field(default_factory=set)
+    #: A segment the scenario planted stood at the key's name when the cleanup decided.
+    planted_segment: bool = False
 
 
 class Answers:
     """The answers of a world's connectors. ``raw``: a connector's store without its process's
-    handle; ``foreign``: whether a name of a store's namespace holds what the scenario planted
-    there and is not ours (``seg-K``: a segment that is not the connector's to remove);
-    ``rings``: a store's rings of ours, by edge, with their bytes."""
+    handle; ``planted``: whether the scenario planted a name of a store's namespace (``seg-K``:
+    a segment no put made); ``rings``: a store's rings of ours, by edge, with their bytes."""
 
     def __init__(
         self,
         raw: Callable[[Store], Store],
-        foreign: Callable[[Store, str], bool],
+        planted: Callable[[Store, str], bool],
         rings: Callable[[Store], Iterator[tuple[str, memoryview]]],
     ) -> None:
         self._raw = raw
-        self._foreign = foreign
+        self._planted = planted
         self._rings = rings
         #: The cleanup each trio task is in, and the cleanups a cleanup_prefix of it made.
         self._cleaning: dict[trio.lowlevel.Task, _Cleanup] = {}
@@ -128,19 +129,25 @@ class Answers:
 
     def _unread(self, asked: _Cleanup) -> bool:
         store, key = self._raw(asked.connector.store), asked.key
-        if store.segment_exists(key) and not self._foreign(store, f"seg-{key}"):
-            return True
+        if store.segment_exists(key):
+            if not self._planted(store, f"seg-{key}"):
+                return True
+            asked.planted_segment = True
         asked.unread_on = {e for e, view in self._rings(store) if e in asked.rings and key in ring_unread_keys(view)}
-        return bool(asked.unread_on)
+        return bool(asked.unread_on) or asked.planted_segment
 
     def _removed(self, asked: _Cleanup) -> bool:
         """What the cleanup removed, in truth: its unread chunk — unless the chunk was on a ring
         that is retired or gone by now (found corrupt, by a reader before or by the cleanup
-        itself): lost with it, not removed."""
-        if not asked.unread_on:
+        itself): lost with it, not removed. A segment the scenario planted is removed if it is gone
+        now (one of ours a cleanup may take or leave; a foreign one it must leave, which other
+        checks see to)."""
+        if not asked.unread_on and not asked.planted_segment:
             return bool(asked.unread)
-        live = {edge for edge, view in self._rings(self._raw(asked.connector.store)) if not ring_retired(view)}
-        return bool(asked.unread_on & live)
+        store = self._raw(asked.connector.store)
+        live = {edge for edge, view in self._rings(store) if not ring_retired(view)}
+        removed = bool(asked.unread_on & live)
+        return removed or (asked.planted_segment and not store.segment_exists(asked.key))
 
 
 def _put_answer(result: PutResult, key: str) -> str:

@@ -160,7 +160,7 @@ class World:
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
         self._offered: dict[str, set[Hashable]] = {}
         #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
-        self.answers = Answers(self._raw, self._foreign_at, ring_views)
+        self.answers = Answers(self._raw, self._planted_at, ring_views)
         self.stages: dict[int, Stage] = {}
         self.streams: dict[str, Stream] = {}
         self.snapshots: list[Snapshot] = []
@@ -288,13 +288,6 @@ class World:
         """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace."""
         return isinstance(store, PosixStore) and (
             os.path.join(self.shm_dir, f"omnisim-{store.namespace}-{name}") in self._planted_here
-        )
-
-    def _foreign_at(self, store: Store, name: str) -> bool:
-        """Whether the scenario planted ``omnisim-{namespace}-{name}`` of ``store``'s namespace and
-        what is there is not ours (a planted file of ours is the runtime's to replace or remove)."""
-        return self._planted_at(store, name) and devshm.not_ours(
-            os.path.join(self.shm_dir, f"omnisim-{store.namespace}-{name}")
         )
 
     def _live_fifos(self) -> list[str]:

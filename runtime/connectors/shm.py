@@ -130,7 +130,15 @@ class ShmConnector:
             try:
                 on_ring = await self._put_on_ring(from_stage, to_stage, put_key, frame)
                 if not on_ring:
-                    await self._write_locked(put_key, frame)
+                    try:
+                        await self._write_locked(put_key, frame)
+                    except (StoreError, WireEncodeError):
+                        raise  # (a failure it reports: it left nothing)
+                    except BaseException:
+                        # It may have left its segment (a bug, an interrupted call): tracked, so a
+                        # prefix cleanup or the close removes it if no exact cleanup does.
+                        self._pending_keys[put_key] = None
+                        raise
                 self._pending_keys[put_key] = None
             finally:
                 self._putting.discard(put_key)
