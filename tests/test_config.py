@@ -389,7 +389,10 @@ INVALID = [
     (edit("deploy.stages", {"stage_id": 0}), "deploy.stages: expected a list"),
     (edit("deploy.transport", "pipes"), "deploy.transport: expected one of ring, segments"),
     (edit("deploy.ring_bytes", 1000), "deploy.ring_bytes: expected an integer >= 65536, got 1000"),
-    (edit("deploy.ring_bytes", 65537), "deploy.ring_bytes: expected a multiple of 64 bytes, at most 67108864, got 65537"),
+    (
+        edit("deploy.ring_bytes", 65537),
+        "deploy.ring_bytes: expected a multiple of 64 bytes, at most 67108864, got 65537",
+    ),
     (
         edit("deploy.edges", [{"from_stage": 0, "to_stage": 2, "transport": "ring"}]),
         "deploy.edges[0]: the pipeline has no edge 0 -> 2",
