@@ -22,6 +22,7 @@ boundary, and the schedule still interleaves them with the stages' own loops.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -287,15 +288,20 @@ async def hostile_keys_and_payloads(world: World) -> None:
 STRAY_WRITES = ("span", "payload length")
 
 
+#: Who meets a broken ring first: its reader, or its producer in each of the walks it makes.
+FOUND_BY = ("its reader's get", "its producer's put", "its producer's cleanup", "its producer's reap")
+
+
 async def a_ring_a_stray_write_broke(
     world: World, sender: ShmConnector, receiver: ShmConnector, edge: tuple[str, str]
 ) -> None:
-    """Bytes of a ring no producer of ours writes: no get or put raises out of them; the reader
-    finds nothing there, the producer's next put makes a new ring, and the edge goes on."""
-    for i, where in enumerate(STRAY_WRITES):
+    """Bytes of a ring no producer of ours writes, met first by its reader or by its producer: no
+    get, put, cleanup or reap raises out of them; the chunk on it is lost, never handed out; the
+    producer's next put goes on a new ring (or a segment), and the edge goes on."""
+    for i, (where, found_by) in enumerate(itertools.product(STRAY_WRITES, FOUND_BY)):
         lost, kept = f"stray_{i}_0", f"stray_{i}_1"
         fired = len(world.fired_faults())
-        cases = await break_the_ring(sender, receiver, edge, where, lost, kept, {"x": i})
+        cases = await break_the_ring(sender, receiver, edge, (where, found_by), lost, kept, {"x": i})
         # Under an injected fault (``--faults sampled``) a put may fail and a get find nothing:
         # what the main cases check then; these say only what a clean run must give.
         if len(world.fired_faults()) == fired:
@@ -306,10 +312,17 @@ async def a_ring_a_stray_write_broke(
 
 
 async def break_the_ring(
-    sender: ShmConnector, receiver: ShmConnector, edge: tuple[str, str], where: str, lost: str, kept: str, payload: dict
+    sender: ShmConnector,
+    receiver: ShmConnector,
+    edge: tuple[str, str],
+    how: tuple[str, str],
+    lost: str,
+    kept: str,
+    payload: dict,
 ) -> list[tuple[str, str, str]]:
-    """Put ``lost`` on the ring, break its frame as ``where`` says, then get it, and put and get
-    ``kept``: each case as (what, got, want)."""
+    """Put ``lost`` on the ring, break its frame as ``how`` says (where, and who meets it first),
+    then get it, and put and get ``kept``: each case as (what, got, want)."""
+    where, found_by = how
     await outcome(lambda: sender.put(*edge, lost, payload))
     memory = sender.store.open_ring(rings.edge_name(*edge))
     ring = Ring.attach(memory) if memory is not None else None
@@ -330,12 +343,26 @@ async def break_the_ring(
         ring.memory.unlock()
     finally:
         ring.close()
+
+    async def reap() -> None:
+        sender.reap_consumed()
+
+    first: dict[str, Callable[[], Awaitable[Any]]] = {
+        "its reader's get": lambda: receiver.get(*edge, lost),
+        "its producer's put": lambda: sender.put(*edge, kept, payload),
+        "its producer's cleanup": lambda: sender.cleanup(lost),
+        "its producer's reap": reap,
+    }
+    met, _ = await outcome(first[found_by])
+    case = f"a ring a stray write broke ({where}), met first by {found_by}"
+    cases = [(f"{case}: what it gave", met, "ok")]
+    if found_by != "its producer's put":
+        await outcome(lambda: sender.put(*edge, kept, payload))
     got, taken = await outcome(lambda: receiver.get(*edge, lost))
-    cases = [(f"a get from a ring a stray write broke ({where})", f"{got} {taken is None}", "ok True")]
-    put_got, _ = await outcome(lambda: sender.put(*edge, kept, payload))
+    cases.append((f"{case}: a get of the chunk it held", f"{got} {taken is None}", "ok True"))
     got, taken = await outcome(lambda: receiver.get(*edge, kept))
-    seen = ROUND_TRIP if put_got == got == "ok" and taken is not None and same(payload, taken[0]) else f"{got}"
-    cases.append((f"a put and a get after a stray write broke the ring ({where})", seen, ROUND_TRIP))
+    seen = ROUND_TRIP if got == "ok" and taken is not None and same(payload, taken[0]) else f"{got}"
+    cases.append((f"{case}: a put and a get after it", seen, ROUND_TRIP))
     return cases
 
 
