@@ -283,6 +283,7 @@ def test_health_and_metrics(server: Running) -> None:
         ("/v1/audio/speech", json.dumps({"input": "hi", "speed": "fast"}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "hi", "response_format": "mp3"}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "hi", "stream": "yes"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "max_new_tokens": True}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),
         ("/v1/audio/speech", b"x" * (2 << 20), 413),
         ("/v1/nowhere", b"{}", 404),

@@ -208,14 +208,19 @@ def parse_chat(raw: object) -> ChatRequest:
     )
 
 
+def _is_count(value: object) -> bool:
+    """A positive integer (``true`` is an ``int`` to Python, never a count to a client)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 #: Upstream's extensions of the speech request: accepted with their types checked; the toy
 #: pipeline has one voice, one language and its own chunking, so they change nothing here.
 _SPEECH_EXTENSIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task_type": (_is_str, "a string"),
     "language": (_is_str, "a string"),
     "instructions": (_is_str, "a string"),
-    "initial_codec_chunk_frames": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
-    "max_new_tokens": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
+    "initial_codec_chunk_frames": (_is_count, "a positive integer"),
+    "max_new_tokens": (_is_count, "a positive integer"),
     "sample_rate": (lambda v: v == 24000, "24000 (the model's rate)"),
 }
 
