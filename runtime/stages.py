@@ -376,7 +376,8 @@ SHAPE = (
 
 def check_shape(config: PipelineConfig) -> None:
     """Refuse, at start-up, a config this runtime cannot run as it says: a stage's model, kind,
-    final output or chunk processor that differs from the one shape it runs."""
+    final output or chunk processor that differs from the one shape it runs, or Talker stop ids
+    that leave out its codec's stop token."""
     if tuple(s.model for s in config.stages) != MODELS:
         raise ValueError(f"{config.source}: this runtime runs a {' -> '.join(MODELS)} pipeline")
     for spec, (kind, outputs, processor) in zip(config.stages, SHAPE, strict=True):
@@ -389,6 +390,14 @@ def check_shape(config: PipelineConfig) -> None:
         if spec.async_chunk_processor not in (processor, None):
             got = spec.async_chunk_processor
             raise ValueError(f"{at}.async_chunk_processor: the {spec.model} stage's is {processor!r}, got {got!r}")
+    talker = config.stages[1]
+    if talker.stop_token_ids and STOP_TOKEN not in talker.stop_token_ids:
+        # The Talker ends a request with this frame whatever the config says; a stop list
+        # without it would hand the stop frame to Code2Wav as codes, and fail the request.
+        raise ValueError(
+            f"{config.source}: pipeline.stages[1].stop_token_ids: the talker's codec stops with "
+            f"{STOP_TOKEN}, which {list(talker.stop_token_ids)} leaves out"
+        )
 
 
 @dataclass(frozen=True)

@@ -595,6 +595,7 @@ def test_the_runtime_refuses_a_shape_it_does_not_run() -> None:
         (edit("pipeline.stages.2.kind", "LLM_AR"), "pipeline.stages[2].kind"),
         (edit("pipeline.stages.1.kind", "LLM_GENERATION"), "pipeline.stages[1].kind"),
         (edit("pipeline.stages.1.async_chunk_processor", "bogus_proc"), "pipeline.stages[1].async_chunk_processor"),
+        (edit("pipeline.stages.1.stop_token_ids", [2149]), "pipeline.stages[1].stop_token_ids"),
     ]:
         raw = shipped_raw("qwen3_omni")
         edits(raw)

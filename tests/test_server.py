@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import wave
 from collections.abc import Iterator
@@ -287,6 +288,7 @@ def test_health_and_metrics(server: Running) -> None:
         ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),
         ("/v1/audio/speech", b"x" * (2 << 20), 413),
         ("/v1/nowhere", b"{}", 404),
+        ("/v1/audio/speech/stream", b"{}", 426),  # a WebSocket endpoint, asked over plain HTTP
         # (found by a review that spoke raw HTTP: these were 500s)
         ("/v1/audio/speech", b'{"input": "hi", "speed": ' + b"1" * 5000 + b"}", 400),
         ("/v1/audio/speech", b'{"input": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
@@ -438,6 +440,28 @@ def test_a_signal_ends_a_stream_in_flight_with_an_error_event_at_once() -> None:
     finally:
         assert running.proc.wait(30) == 130
     assert not left_behind(before)
+
+
+def test_a_whole_response_pending_at_a_signal_is_a_503() -> None:
+    """The engine stopped under the request: a client may retry later or elsewhere (not a 500)."""
+    before = shm_names()
+    running = start_server()
+    replies: list[httpx.Response] = []
+    try:
+        asking = threading.Thread(
+            target=lambda: replies.append(_speech(running, input="word " * 3000)), daemon=True
+        )
+        asking.start()
+        while _metric(running, 'omnisim_stage_requests{stage="thinker"}') < 1:
+            time.sleep(0.05)
+        running.proc.send_signal(signal.SIGINT)
+        asking.join(30)
+    finally:
+        assert running.proc.wait(30) == 130
+    assert not left_behind(before)
+    [reply] = replies
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["type"] == "server_error" and "shut down" in reply.json()["error"]["message"]
 
 
 # -- clients that vanish ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
 from runtime.models.aligner import WordTimestamp
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.orchestrator import ABORTED, Orchestrator
+from runtime.orchestrator import ABORTED, SHUT_DOWN, Orchestrator
 from runtime.serving.audio import encode, pcm16, wav_header
 from runtime.serving.metrics import Playback, ServingMetrics
 from runtime.serving.requests import ApiError, SessionConfig, parse_chat, parse_session_config, parse_speech
@@ -73,6 +73,7 @@ class Server:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
             WebSocketRoute("/v1/audio/speech/stream", self.speech_stream),
+            Route("/v1/audio/speech/stream", _websocket_only, methods=["GET", "POST"]),
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
         return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
@@ -116,7 +117,7 @@ class Server:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         text, audio, _, error = collected
         if error is not None:
-            raise ApiError(f"the request failed: {error}", status=500)
+            raise _request_failed(error)
         choices: list[dict[str, Any]] = []
         if "text" in chat.modalities:
             message = {"role": "assistant", "content": text}
@@ -173,7 +174,7 @@ class Server:
                     data = base64.b64encode(encode(out.data, _wire_format(audio_format), SAMPLE_RATE)).decode()
                     yield chunk("audio", {"role": "assistant", "content": data}, audio=out.data)
         if error is not None:
-            yield {"error": ApiError(f"the request failed: {error}", status=500).body()["error"]}
+            yield _request_failed(error).body()
             return
         yield chunk(None, {}, "stop")
         if include_usage:
@@ -204,7 +205,7 @@ class Server:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         _, audio, stamps, error = collected
         if error is not None:
-            raise ApiError(f"the request failed: {error}", status=500)
+            raise _request_failed(error)
         if speech.speed != 1.0:
             # Played faster or slower like tape: the same samples over a shorter or longer time.
             audio = serving.resample(audio, round(speech.speed * 1000), 1000)
@@ -425,8 +426,7 @@ async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> A
                 audio = base64.b64encode(pcm16(out.data)).decode()
                 yield {"type": "speech.audio.delta", "audio": audio, "response_format": "pcm"}
     if error is not None:
-        failure = {"message": f"the request failed: {error}", "type": "server_error", "param": None, "code": 500}
-        yield {"type": "speech.audio.error", "error": failure}
+        yield {"type": "speech.audio.error", **_request_failed(error).body()}
     else:
         yield {"type": "speech.audio.done", "usage": _speech_usage(prompt, samples)}
 
@@ -610,6 +610,16 @@ def _usage_headers(prompt: str, audio: Any) -> dict[str, str]:
         "x-vllm-omni-input-text-tokens": str(usage["input_tokens"]),
         "x-vllm-omni-input-audio-tokens": "0",
     }
+
+
+async def _websocket_only(request: Request) -> Response:
+    raise ApiError(f"{request.url.path} speaks WebSocket: connect with a WebSocket client", status=426)
+
+
+def _request_failed(error: str) -> ApiError:
+    """The error of a request that failed once started: 503 when the engine stopped under it (the
+    client may retry elsewhere or later), 500 for a failure of the request itself."""
+    return ApiError(f"the request failed: {error}", status=503 if error == SHUT_DOWN else 500)
 
 
 async def _api_error(request: Request, e: Exception) -> Response:
