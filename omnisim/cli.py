@@ -226,6 +226,33 @@ def _add_faults(sp: argparse.ArgumentParser, named: str, sampled: str) -> None:
 RUN_STRATEGIES = ("random", "pct", "ordered")
 
 
+def _add_engine_options(sp: argparse.ArgumentParser, *, store: bool = True) -> None:
+    """What the commands that build a real engine (``serve``, ``pipeline run``, ``soak``) build it from."""
+    sp.add_argument("--pipeline", default="qwen3_omni", help="a shipped pipeline or a YAML path (default: %(default)s)")
+    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
+    sp.add_argument(
+        "--async-chunk",
+        choices=("on", "off"),
+        help="chunked hand-off between stages, or whole (default: the deploy file's, on)",
+    )
+    sp.add_argument(
+        "--transport",
+        choices=("ring", "segments"),
+        help="how every edge hands chunks over: a shared ring per edge for the chunks that fit, or a segment per "
+        "chunk (default: the deploy file's, ring)",
+    )
+    if store:
+        sp.add_argument(
+            "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"
+        )
+    needs = " (needs --store posix)" if store else ""
+    sp.add_argument(
+        "--processes",
+        action="store_true",
+        help=f"each stage in an OS process of its own{needs} (default: the deploy file's, in this one)",
+    )
+
+
 def _add_scenario_options(sp: argparse.ArgumentParser, strategies: tuple[str, ...] = STRATEGIES) -> None:
     sp.add_argument(
         "--strategy",
@@ -549,28 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
             'curl -N localhost:8000/v1/audio/speech -d \'{"input": "hello", "stream": true}\'',
         ),
     )
-    sp.add_argument("--pipeline", default="qwen3_omni", help="a shipped pipeline or a YAML path (default: %(default)s)")
+    _add_engine_options(sp)
     sp.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
     sp.add_argument("--port", type=_port, default=8000, help="the port; 0 picks a free one (default: %(default)s)")
     sp.add_argument("--served-model-name", help="the model name clients use (default: the pipeline's name)")
-    sp.add_argument(
-        "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
-    )
-    sp.add_argument(
-        "--transport",
-        choices=("ring", "segments"),
-        help="how every edge hands chunks over: a shared ring per edge for the chunks that fit, or a segment per "
-        "chunk (default: the deploy file's, ring)",
-    )
-    sp.add_argument(
-        "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"
-    )
-    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
-    sp.add_argument(
-        "--async-chunk",
-        choices=("on", "off"),
-        help="chunked hand-off between stages, or whole (default: the deploy file's, on)",
-    )
     sp.add_argument("--ready-timeout", type=positive_float, default=120.0, help="seconds to wait for the stages")
     sp.add_argument("--access-log", action="store_true", help="log every request to stderr")
     sp.set_defaults(func=cmd_serve, needs_registry=False, plugin=[])
@@ -605,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--requests", type=positive_int, default=300, help="how many requests (default: %(default)s)")
     sp.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time (default: %(default)s)")
-    sp.add_argument("--processes", action="store_true", help="each stage in an OS process of its own")
+    _add_engine_options(sp, store=False)
     sp.add_argument("--kill-every", type=positive_float, metavar="SECONDS", help="SIGKILL a random stage this often")
     sp.add_argument(
         "--seed", type=int, default=0, help="for the aborts, reuses, kills and faults (default: %(default)s)"
@@ -642,30 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sp.add_argument("--text", required=True, help="what to say (1 to 20000 characters, not only spaces)")
-    sp.add_argument("--pipeline", default="qwen3_omni", help="a shipped pipeline or a YAML path (default: %(default)s)")
     sp.add_argument("--modalities", default="text,audio", help="text, audio or text,audio (default: %(default)s)")
     sp.add_argument(
         "--out", default=os.path.join(RUNS_DIR, "out.wav"), help="the 24 kHz WAV to write (default: %(default)s)"
     )
-    sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
     sp.add_argument("--word-timestamps", action="store_true", help="also align every word (needs audio)")
-    sp.add_argument(
-        "--async-chunk",
-        choices=("on", "off"),
-        help="chunked hand-off between stages, or whole (default: the deploy file's, on)",
-    )
-    sp.add_argument(
-        "--store", choices=ENGINE_STORES, default="posix", help="where segments live (default: %(default)s)"
-    )
-    sp.add_argument(
-        "--processes", action="store_true", help="each stage in an OS process of its own (needs --store posix)"
-    )
-    sp.add_argument(
-        "--transport",
-        choices=("ring", "segments"),
-        help="how every edge hands chunks over: a shared ring per edge for the chunks that fit, or a segment per "
-        "chunk (default: the deploy file's, ring)",
-    )
+    _add_engine_options(sp)
     _add_json(sp)
     sp.set_defaults(func=cmd_pipeline, needs_registry=False, plugin=[])
     return p
@@ -1322,11 +1313,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     from omnisim.faults import UnknownFaultError, check_raising
+    from omnisim.pipeline_cli import pipeline_config
     from omnisim.soak import clean, print_report, soak
 
-    if args.kill_every and not args.processes:
+    config = pipeline_config(args)
+    processes = args.processes or config.deploy.processes
+    if args.kill_every and not processes:
         raise UsageError("--kill-every kills stage processes: it needs --processes")
-    if args.fault and args.processes:
+    if args.fault and processes:
         raise UsageError("--fault and --faults fire in the process that puts or gets: not with --processes yet")
     try:
         check_raising(args.fault)
@@ -1347,8 +1341,10 @@ def cmd_soak(args: argparse.Namespace) -> int:
         report = soak(
             args.requests,
             args.concurrency,
-            processes=args.processes,
+            processes=processes,
             kill_every=args.kill_every,
+            config=config,
+            device=args.device,
             seed=args.seed,
             faults=args.fault,
             fault_probability=args.fault_probability,

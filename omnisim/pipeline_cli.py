@@ -100,21 +100,18 @@ class _StageProgress:
             self._bar.close()
 
 
-def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tuple[PipelineConfig, Store]:
-    """What an engine of the command line is built from: the pipeline's config with
-    ``--async-chunk`` and ``--transport`` applied, and a fresh store of ``--store`` (after the start-up sweep of what
-    dead processes left in /dev/shm)."""
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    """The config of ``--pipeline`` with ``--async-chunk`` and ``--transport`` applied, checked
+    for the shape this runtime runs."""
     import torch
 
-    from omnisim.world import make_store
     from runtime.config.pipeline import ConfigError, load_pipeline
-    from runtime.connectors.stores import SPARE_MIN_BYTES
     from runtime.stages import check_shape
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
     try:
-        config = load_pipeline(pipeline)
+        config = load_pipeline(args.pipeline)
         check_shape(config)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -123,6 +120,16 @@ def engine_parts(args: argparse.Namespace, pipeline: str = "qwen3_omni") -> tupl
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=async_chunk))
     if args.transport is not None:
         config = config.with_transport(args.transport)
+    return config
+
+
+def engine_parts(args: argparse.Namespace) -> tuple[PipelineConfig, Store]:
+    """What an engine of the command line is built from: :func:`pipeline_config`, and a fresh
+    store of ``--store`` (after the start-up sweep of what dead processes left in /dev/shm)."""
+    from omnisim.world import make_store
+    from runtime.connectors.stores import SPARE_MIN_BYTES
+
+    config = pipeline_config(args)
     if config.deploy.processes and args.store != "posix":
         raise UsageError(f"{config.source} runs its stages as processes (processes: true): that needs --store posix")
     if args.store == "posix":
@@ -140,7 +147,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from runtime.models.code2wav import SAMPLE_RATE
     from runtime.pipeline import Models, build_engine, run_request
 
-    config, store = engine_parts(args, args.pipeline)
+    config, store = engine_parts(args)
     request_id = f"req-{uuid.uuid4().hex[:8]}"
     progress = _StageProgress(args.text, live=not args.json and sys.stderr.isatty())
     try:
@@ -174,9 +181,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "total_s": result.total_s,
         "model_s": result.model_s,
         "startup_s": result.startup_s,
-        "async_chunk": "on" if config.deploy.async_chunk else "off",
-        "transport": {f"{e.producer}->{e.consumer}": config.deploy.transport_of(*e).value for e in config.edges},
-        "pipeline": config.source,
+        **config.settings(),
         "residue": result.residue,
         "swept": leftovers,
     }

@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
 
     _survive_a_close_during_a_send()
     sock = listen(args.host, args.port)
-    config, store = engine_parts(args, args.pipeline)
+    config, store = engine_parts(args)
     try:
         engine = build_engine(config, Models.build(args.device), store, processes=args.processes or None)
     except BaseException:

@@ -31,7 +31,7 @@ import trio
 
 from omnisim.faults import FaultingKernel, FaultPlan, faults_of_specs
 from runtime.client import generate
-from runtime.config.pipeline import load_pipeline
+from runtime.config.pipeline import PipelineConfig, load_pipeline
 from runtime.connectors.keys import external_id_of
 from runtime.connectors.posix_store import PosixStore
 from runtime.kernel import use_kernel
@@ -75,6 +75,8 @@ class SoakReport:
     #: For each kill: until the head saw the stage dead, and until it was back and ready.
     noticed_s: list[float] = field(default_factory=list)
     back_s: list[float] = field(default_factory=list)
+    #: The pipeline it ran (see :meth:`PipelineConfig.settings`).
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +95,7 @@ class SoakReport:
             "residue": self.residue,
             "shm_left": self.shm_left,
             "max_sample_error": self.max_sample_error,
+            **self.settings,
         }
 
 
@@ -134,8 +137,10 @@ def soak(
     requests: int,
     concurrency: int,
     *,
-    processes: bool,
+    processes: bool | None,
     kill_every: float | None,
+    config: PipelineConfig | None = None,
+    device: str = "cpu",
     abort_fraction: float = 0.15,
     reuse_fraction: float = 0.10,
     seed: int = 0,
@@ -143,16 +148,20 @@ def soak(
     fault_probability: float = 0.001,
     progress: Any = None,
 ) -> SoakReport:
-    """``faults``: fault specs (see :func:`~omnisim.faults.faults_of_specs`; a sampled kind fires
-    on a hit with ``fault_probability``), which need the stages in this process."""
+    """``config``: the pipeline (default: the shipped ``qwen3_omni``), its stages in OS processes
+    with ``processes`` (default: as its deploy file says). ``faults``: fault specs (see
+    :func:`~omnisim.faults.faults_of_specs`; a sampled kind fires on a hit with
+    ``fault_probability``), which need the stages in this process."""
+    config = config or load_pipeline("qwen3_omni")
+    processes = config.deploy.processes if processes is None else processes
     if faults and processes:
         raise ValueError("faults fire in the process that puts or gets: the stages must run in this one")
     rng = random.Random(seed)
-    report = SoakReport()
+    report = SoakReport(settings=config.settings())
     # No plan until the solo runs are done: they are the reference the requests are checked against.
     kernel = FaultingKernel()
     store = PosixStore()
-    engine = build_engine(load_pipeline("qwen3_omni"), Models.build(), store, processes=processes)
+    engine = build_engine(config, Models.build(device), store, processes=processes)
     stages = [s for s in engine.stages.values() if isinstance(s, ProcessStage)]
     namespaces: set[str] = {store.namespace}
     todo = list(range(requests))

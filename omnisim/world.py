@@ -299,15 +299,17 @@ class World:
     def _check_owner_records(self) -> None:
         """Every POSIX namespace of the run records this process as its owner (the simulated
         processes are threads of it): an operator's sweep judges a namespace by its record."""
-        me = devshm.this_process()
-        for namespace, (store, _) in self.namespaces.items():
-            if isinstance(store, PosixStore):
-                recorded = store.owner()
-                self.probe(
-                    "no-residue-after-sweep",
-                    recorded == me,
-                    f"the owner record of namespace {namespace} reads {recorded}, not the process that made it, {me}",
-                )
+        posix = [
+            (namespace, store) for namespace, (store, _) in self.namespaces.items() if isinstance(store, PosixStore)
+        ]
+        me = devshm.this_process() if posix else None
+        for namespace, store in posix:
+            recorded = store.owner()
+            self.probe(
+                "no-residue-after-sweep",
+                recorded == me,
+                f"the owner record of namespace {namespace} reads {recorded}, not the process that made it, {me}",
+            )
 
     def _check_wakeups_available(self) -> None:
         """On a wakeup folder that is ours, every live stage that receives listens on a FIFO of its

@@ -225,6 +225,9 @@ def test_explore_finds_mutant_and_replay_reproduces(
         (["pipeline", "run", "--text", "hi", "--modalities", "video"], "--modalities takes text and/or audio"),
         (["pipeline", "run", "--text", "hi", "--modalities", "text", "--word-timestamps"], "needs the audio"),
         (["pipeline", "run", "--text", "hi", "--processes", "--store", "memory"], "--processes needs --store posix"),
+        (["soak", "--pipeline", "qwen3_tts_aligner"], "this runtime runs a thinker -> talker -> code2wav pipeline"),
+        (["soak", "--pipeline", "no_such.yaml"], "no_such.yaml"),
+        (["soak", "--kill-every", "1"], "it needs --processes"),
         (["explore", "abort_during_put", "--delays", "1"], "bound a dfs search"),
         (["explore", "abort_during_put", "--fault", "put_fail#0"], "a hit number from 1"),
         (
@@ -242,6 +245,27 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert out == ""
     assert not Path("runs").exists()  # refused before any work started
+
+
+def test_soak_runs_the_pipeline_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = omnisim(
+        capsys,
+        "soak",
+        "--requests",
+        "4",
+        "--concurrency",
+        "2",
+        "--transport",
+        "segments",
+        "--async-chunk",
+        "off",
+        "--json",
+    )
+    report = last_json(out)
+    assert code == 0, report["problems"]
+    assert report["async_chunk"] == "off" and set(report["transport"].values()) == {"segments"}
+    assert report["outcomes"].get("finished", 0) + report["outcomes"].get("aborted", 0) == 4
+    assert report["shm_left"] == [] and report["pipeline"].endswith("qwen3_omni.yaml")
 
 
 def test_verbose_works_anywhere(capsys: pytest.CaptureFixture[str]) -> None:

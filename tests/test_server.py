@@ -448,9 +448,7 @@ def test_a_whole_response_pending_at_a_signal_is_a_503() -> None:
     running = start_server()
     replies: list[httpx.Response] = []
     try:
-        asking = threading.Thread(
-            target=lambda: replies.append(_speech(running, input="word " * 3000)), daemon=True
-        )
+        asking = threading.Thread(target=lambda: replies.append(_speech(running, input="word " * 3000)), daemon=True)
         asking.start()
         while _metric(running, 'omnisim_stage_requests{stage="thinker"}') < 1:
             time.sleep(0.05)

@@ -77,6 +77,14 @@ class PipelineConfig:
         """``"edge 1 -> 2 (talker -> code2wav)"``."""
         return self.topology.describe(Edge(*edge))
 
+    def settings(self) -> dict[str, Any]:
+        """What a run of this config reports it ran with: its source, async chunk, each edge's transport."""
+        return {
+            "pipeline": self.source,
+            "async_chunk": "on" if self.deploy.async_chunk else "off",
+            "transport": {f"{e.producer}->{e.consumer}": self.deploy.transport_of(*e).value for e in self.edges},
+        }
+
     def resolved_async_chunk(self, stage_id: int) -> bool:
         """The stage's ``async_chunk`` after the spec §1.2 resolution table."""
         return resolve.resolved_async_chunk(self.topology, self.deploy)[self._known(stage_id)]
