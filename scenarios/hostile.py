@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -38,7 +39,7 @@ from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import MAX_KEY_LENGTH, MAX_REQUEST_ID_LENGTH
 from runtime.connectors.posix_store import NAMESPACE_PATTERN, PosixStore
-from runtime.connectors.ring import ALIGN, FRAME, Ring, RingSettings
+from runtime.connectors.ring import ALIGN, FRAME, MAGIC, Ring, RingSettings
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.wire import WireError, decode, encode
 from runtime.kernel import current_kernel
@@ -74,12 +75,21 @@ BAD_PAYLOADS: dict[str, object] = {
     "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
 }
 
-#: Ring settings a connector is made with, next to what they must give: a ring must hold at least
-#: four 64-byte lines, in whole lines, and a frame at most half of it; the refusal names the rule.
+#: The smallest ring that carries a payload of two lines with the default frame fraction: the
+#: header, and room for two frames of the longest key beside any remainder at its end.
+LEAST_CAPACITY = 1344
+#: Ring settings a connector is made with, next to what they must give: a ring must come in whole
+#: 64-byte lines, carry a payload of two lines, take frames of at most half of it, and wait for room
+#: a finite time; the refusal names the rule.
 RING_SETTINGS_CASES: dict[str, tuple[dict[str, float], str]] = {
-    "the least capacity": ({"capacity": 4 * ALIGN}, "ok"),
-    "a line less than the least capacity": ({"capacity": 3 * ALIGN}, f"ValueError: at least {4 * ALIGN} bytes"),
-    "a capacity not in whole lines": ({"capacity": 4 * ALIGN + 1}, f"ValueError: a multiple of {ALIGN}"),
+    "the least capacity": ({"capacity": LEAST_CAPACITY}, "ok"),
+    "a line less than the least capacity": ({"capacity": LEAST_CAPACITY - ALIGN}, "ValueError: it is too small"),
+    "a line less than the least header and frames": ({"capacity": 3 * ALIGN}, f"ValueError: at least {4 * ALIGN}"),
+    "a capacity not in whole lines": ({"capacity": LEAST_CAPACITY + 1}, f"ValueError: a multiple of {ALIGN}"),
+    "no wait for room": ({"full_wait_s": 0.0}, "ok"),
+    "an endless wait for room": ({"full_wait_s": math.inf}, "ValueError: a finite number of seconds"),
+    "a wait for room of nan seconds": ({"full_wait_s": math.nan}, "ValueError: a finite number of seconds"),
+    "a negative wait for room": ({"full_wait_s": -1.0}, "ValueError: a finite number of seconds"),
     "frames of at most half the ring": ({"max_frame_fraction": 0.5}, "ok"),
     "frames of more than half the ring": ({"max_frame_fraction": 0.51}, "ValueError: (0, 0.5]"),
     "frames of no size": ({"max_frame_fraction": 0.0}, "ValueError: (0, 0.5]"),
@@ -283,9 +293,9 @@ async def hostile_keys_and_payloads(world: World) -> None:
 
 
 #: What a stray write of another process of ours leaves in a ring: a frame's span off a frame
-#: boundary, a payload longer than its frame. (A head or tail moved by anyone but their owner is
-#: what ``ring-writes-locked`` reports itself.)
-STRAY_WRITES = ("span", "payload length")
+#: boundary, a payload longer than its frame, a header whose magic is gone. (A head or tail moved
+#: by anyone but their owner is what ``ring-writes-locked`` reports itself.)
+STRAY_WRITES = ("span", "payload length", "header")
 
 
 #: Who meets a broken ring first: its reader, or its producer in each of the walks it makes.
@@ -338,6 +348,8 @@ async def break_the_ring(
         assert ring.memory.try_lock(), "nobody else runs: the ring is free"
         if where == "span":
             FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.payload_len, frame.span + 3)
+        elif where == "header":
+            ring.view[: len(MAGIC)] = b"XXXX"
         else:
             FRAME.pack_into(ring.view, at, frame.state, len(frame.key), frame.span, frame.span)
         ring.memory.unlock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import runtime.connectors.shm as shm_module
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
 from runtime.connectors.stores import SPARE_MIN_BYTES, MemoryStore, Store
 from runtime.connectors.wire import BufferIO, EncodedFrame, WireDecodeError, encode
@@ -475,6 +477,76 @@ async def test_close_leaves_other_connectors_keys(store: Store) -> None:
     assert residue(store) == (["B_0_0"], ["B_0_0"])
     await b.close()
     assert residue(store) == ([], [])
+
+
+async def test_a_closed_connector_puts_nothing_and_maps_nothing(store: Store) -> None:
+    producer = ShmConnector(store, send_ring=RingSettings())
+    consumer = ShmConnector(store, receive_ring=True)
+    await put(producer, "R_1_0", 0)
+    await producer.close()
+    result = await producer.put("0", "1", "R_1_1", 1)
+    assert not result.ok and "closed" in result.metadata["error"]
+    assert residue(store) == ([], []) and store.rings() == []
+    await consumer.close()
+    assert await consumer.get("0", "1", "R_1_0") is None
+    assert store.open_handles() == []
+
+
+async def test_a_put_in_flight_at_the_close_leaves_nothing(store: Store) -> None:
+    """The close removes what its connector tracks; a put that places its payload after that
+    removes it itself and says it failed (nobody would ever read or remove it)."""
+    conn = ShmConnector(store)
+    payload = {"x": torch.zeros(1 << 20)}
+    async with trio.open_nursery() as nursery:
+        results: list[Any] = []
+
+        async def putting() -> None:
+            results.append(await conn.put("0", "1", "R_1_0", payload))
+
+        nursery.start_soon(putting)
+        await trio.sleep(0)  # the put is under way: past its first point
+        await conn.close()
+    assert not results[0].ok and "closed" in results[0].metadata["error"]
+    assert residue(store) == ([], []) and pending(conn) == []
+
+
+@pytest.mark.parametrize("stages", [(0, "1"), ("0", 1), (None, "1")])
+async def test_a_stage_that_is_not_a_string_is_refused_before_anything_is_stored(
+    store: Store, stages: tuple[Any, Any]
+) -> None:
+    conn = ShmConnector(store, send_ring=RingSettings())
+    with pytest.raises(TypeError, match="_stage must be a str"):
+        await conn.put(*stages, "R_1_0", {"x": 1})
+    with pytest.raises(TypeError, match="_stage must be a str"):
+        await conn.get(*stages, "R_1_0")
+    assert residue(store) == ([], []) and store.rings() == []
+    await conn.close()
+
+
+@pytest.mark.parametrize("seconds", [math.inf, math.nan, -1.0])
+def test_an_unbounded_or_negative_lock_wait_is_refused(seconds: float) -> None:
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        ShmConnector(MemoryStore(), lock_timeout_s=seconds)
+
+
+async def test_a_sparse_segment_is_a_corrupt_chunk_and_consumed() -> None:
+    """No put of ours leaves a hole in a segment: one that has one is a corrupt chunk, consumed
+    with its lock file like any other (the key is free again), never kept as a spare."""
+    store = PosixStore()
+    conn = ShmConnector(store)
+    await put(conn, "R_1_0", {"x": torch.zeros(1 << 16)})
+    fd = os.open(store.segment_path("R_1_0"), os.O_RDWR)
+    try:
+        os.ftruncate(fd, 1 << 30)
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptChunk, match="sparse"):
+        await conn.get("0", "1", "R_1_0")
+    assert residue(store) == ([], []) and store.spares() == []
+    await put(conn, "R_1_0", 1)
+    assert await get(conn, "R_1_0") == 1
+    await conn.close()
+    store.sweep()
 
 
 # -- large payloads take the worker-thread path ----------------------------------------------

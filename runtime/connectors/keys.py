@@ -25,6 +25,15 @@ def validate_key(key: str) -> str:
     return key
 
 
+def validate_stage(stage: object, what: str) -> str:
+    """A put's or get's ``from_stage`` or ``to_stage``: a string (``"1"``), as upstream's connector
+    takes them; it names the edge's ring and wakeups. Else :class:`TypeError`, before anything is
+    stored."""
+    if not isinstance(stage, str):
+        raise TypeError(f"{what} must be a str, got {type(stage).__name__}: {stage!r:.40}")
+    return stage
+
+
 #: Room a request id leaves in a key for ``_{stage}_{chunk}``.
 MAX_REQUEST_ID_LENGTH = MAX_KEY_LENGTH - 40
 

@@ -47,6 +47,7 @@ from runtime.connectors.stores import (
     ForeignName,
     OpenHandles,
     RingMemory,
+    SparseSegment,
     StoreError,
     StoreFull,
     choose_spare,
@@ -463,7 +464,7 @@ class PosixStore:
             if st.st_blocks * 512 < st.st_size:
                 # Every segment of ours is reserved whole before its first byte is written; a
                 # sparse one would let its header claim memory the frame does not hold.
-                raise StoreError(f"segment {key!r} is sparse ({st.st_blocks * 512} of {st.st_size} bytes reserved)")
+                raise SparseSegment(f"segment {key!r} is sparse ({st.st_blocks * 512} of {st.st_size} bytes reserved)")
         except BaseException:
             os.close(fd)
             raise

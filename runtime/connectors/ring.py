@@ -56,14 +56,15 @@ The producer records its identity (pid and start time) in the header; a consumer
 a ring whose producer is its namespace's owner, and a producer that replaces a ring marks the old
 one *retired*, so a consumer still mapping it lets go.
 
-Whoever finds that a ring's bytes are not a ring's (a head, a tail or a frame that no producer of
-ours writes: a stray write of another process) retires it the same way: its reader lets go, its
-producer makes a new one at its next put, and the chunks it held are lost — their receivers give
-up at their input deadline, never on an exception out of the bytes.
+Whoever finds that a ring's bytes are not a ring's (a header, a head, a tail or a frame that no
+producer of ours writes: a stray write of another process) retires it the same way: its reader
+lets go, its producer makes a new one at its next put, and the chunks it held are lost — their
+receivers give up at their input deadline, never on an exception out of the bytes.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ MAGIC = b"OMRG"
 VERSION = 1
 #: magic, version, capacity, head, tail, producer pid, retired, producer start ticks.
 HEADER = struct.Struct("<4sIQQQIIQ")
+#: magic, version, capacity: what no move of a ring ever changes.
+_IDENTITY = struct.Struct("<4sIQ")
 HEADER_SIZE = 64
 _HEAD_AT = 16
 _TAIL_AT = 24
@@ -93,6 +96,8 @@ _FRAME_HEAD_MAX = 256
 WRITING, READY, DONE, CANCELLED, PAD, ABORTED = 1, 2, 3, 4, 5, 6
 _STATES = frozenset({WRITING, READY, DONE, CANCELLED, PAD, ABORTED})
 
+#: The least payload a ring must carry: the smallest wire frame (an empty payload's, 88 bytes) fits.
+MIN_PAYLOAD = 2 * ALIGN
 #: A ring's size when the deploy file names none (upstream's default).
 DEFAULT_CAPACITY = DEFAULT_RING_BYTES
 #: Payloads up to this share of a ring go on it; larger ones go to their own segment.
@@ -133,6 +138,13 @@ class RingSettings:
             raise ValueError(f"a ring's capacity must be a multiple of {ALIGN} and at least {4 * ALIGN} bytes")
         if not 0 < self.max_frame_fraction <= 0.5:
             raise ValueError("a ring's max_frame_fraction must be in (0, 0.5]")
+        if self.max_payload < MIN_PAYLOAD:
+            raise ValueError(
+                f"a ring of {self.capacity} bytes carries no payload of {MIN_PAYLOAD} bytes "
+                f"(max_frame_fraction {self.max_frame_fraction}): it is too small"
+            )
+        if not 0 <= self.full_wait_s < math.inf:  # (also refuses nan)
+            raise ValueError(f"a ring's full_wait_s must be a finite number of seconds >= 0, got {self.full_wait_s}")
 
     @property
     def max_payload(self) -> int:
@@ -172,11 +184,14 @@ class Ring:
         self.data_size = self.capacity - HEADER_SIZE
         #: The header as 8-byte words: head and tail are each one aligned store.
         self._words = self.view[:HEADER_SIZE].cast("Q")
+        self._identity = _IDENTITY.pack(MAGIC, VERSION, self.capacity)
 
     @classmethod
-    def attach(cls, memory: RingMemory) -> Ring | None:
+    def attach(cls, memory: RingMemory, *, retire_malformed: bool = False) -> Ring | None:
         """A view of an existing ring; None (and ``memory`` closed) if its bytes are not a
-        well-formed ring: too small, a size that is not whole frames, a bad header."""
+        well-formed ring: too small, a size that is not whole frames, a bad header. With
+        ``retire_malformed`` a bad header of a ring's size is marked retired first, so that its
+        producer replaces it (a reader's move: the producer would write on)."""
         size = len(memory.view)
         if size < 4 * ALIGN or size % ALIGN:
             memory.close()
@@ -184,6 +199,8 @@ class Ring:
         ring = cls(memory)
         if ring.well_formed():
             return ring
+        if retire_malformed:
+            ring.retire()
         ring.close()
         return None
 
@@ -201,13 +218,8 @@ class Ring:
         return ring
 
     def well_formed(self) -> bool:
-        magic, version, capacity, head, tail, *_ = HEADER.unpack_from(self.view, 0)
-        return (
-            magic == MAGIC
-            and version == VERSION
-            and capacity == self.capacity
-            and tail <= head <= tail + self.data_size
-        )
+        head, tail = self.head, self.tail
+        return self.view[: _IDENTITY.size] == self._identity and tail <= head <= tail + self.data_size
 
     def producer(self) -> tuple[int, int]:
         fields = HEADER.unpack_from(self.view, 0)
@@ -244,7 +256,11 @@ class Ring:
         return HEADER_SIZE + pos % self.data_size
 
     def _bounds(self) -> tuple[int, int]:
-        """Tail and head, checked: both on a frame boundary, at most a ring apart."""
+        """Tail and head, checked: both on a frame boundary, at most a ring apart, in a ring whose
+        header still names it (a stray write over the magic, version or capacity is found by the
+        next move of either side, as one over a frame is)."""
+        if self.view[: _IDENTITY.size] != self._identity:
+            raise RingCorrupt(f"the ring's header is not that of a {self.capacity}-byte ring of version {VERSION}")
         tail, head = self.tail, self.head
         if tail % ALIGN or head % ALIGN or not tail <= head <= tail + self.data_size:
             raise RingCorrupt(f"tail {tail} and head {head} are not those of a {self.data_size}-byte ring")

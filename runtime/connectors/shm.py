@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk, PutResult
-from runtime.connectors.keys import InvalidKeyError, validate_key
+from runtime.connectors.keys import InvalidKeyError, validate_key, validate_stage
 from runtime.connectors.ring import Ring, RingSettings, locked
-from runtime.connectors.stores import LockFile, Segment, Store, StoreError
+from runtime.connectors.stores import LockFile, Segment, SparseSegment, Store, StoreError
 from runtime.connectors.wakeup import Wakeups
 from runtime.connectors.wire import BufferIO, EncodedFrame, FrameDecoder, FrameIO, WireDecodeError, WireEncodeError
 from runtime.kernel import current_kernel, wait_until
@@ -63,6 +64,10 @@ PARALLEL_CHECKSUM_BYTES = 4 << 20
 
 class LockTimeout(StoreError):
     """The key's lock file stayed held by someone else for longer than the put may wait."""
+
+
+class ConnectorClosed(StoreError):
+    """A put on a connector that is closed, or was closed before the put ended."""
 
 
 class ShmConnector:
@@ -98,6 +103,8 @@ class ShmConnector:
         self.upstream = upstream if upstream is not None else store
         self._upstream_alive = upstream_alive
         self.stage_id = stage_id
+        if not 0 <= lock_timeout_s < math.inf:  # (also refuses nan: no wait may be unbounded)
+            raise ValueError(f"lock_timeout_s must be a finite number of seconds >= 0, got {lock_timeout_s}")
         self.lock_timeout_s = lock_timeout_s
         self._wakeups = wakeups
         self._pending_keys: OrderedDict[str, None] = OrderedDict()
@@ -117,12 +124,17 @@ class ShmConnector:
         """Store ``data`` under ``put_key``, replacing unread data of the same key.
 
         Storage and encoding failures (a full /dev/shm, a name that is not ours, a lock file
-        held too long) return ``(False, 0, {"error": cause})`` and leave neither segment nor lock
-        file. An invalid key raises :class:`InvalidKeyError`.
+        held too long, a connector closed before the put ended) return ``(False, 0, {"error":
+        cause})`` and leave neither segment nor lock file. An invalid key raises
+        :class:`InvalidKeyError`; a stage that is not a string, :class:`TypeError`.
         """
         k = current_kernel()
         validate_key(put_key)
+        validate_stage(from_stage, "from_stage")
+        validate_stage(to_stage, "to_stage")
         try:
+            if self._closed:
+                raise ConnectorClosed("the connector is closed")
             await k.point("shm.put.begin", key=put_key)
             self.reap_consumed(max_keys=PUT_REAP_BUDGET)
             frame = EncodedFrame(data)
@@ -142,6 +154,11 @@ class ShmConnector:
                 self._pending_keys[put_key] = None
             finally:
                 self._putting.discard(put_key)
+            if self._closed:
+                # The close ran while this put was placing its payload, and removed what it
+                # tracked then: what this put placed is removed here (nobody reads it now).
+                self._remove_payload(put_key)
+                raise ConnectorClosed("the connector was closed during the put")
         except (StoreError, WireEncodeError) as e:
             log.warning("put of %s failed: %s", put_key, e)
             k.note("shm.put.failed", key=put_key, error=type(e).__name__)
@@ -434,7 +451,11 @@ class ShmConnector:
         """
         k = current_kernel()
         key = validate_key(self._resolve_key(get_key, metadata))
+        validate_stage(from_stage, "from_stage")
+        validate_stage(to_stage, "to_stage")
         await k.point("shm.get.begin", key=key)
+        if self._closed:
+            return None  # (a closed connector maps nothing again: what it mapped, it let go)
         ring = self._receive_ring(from_stage, to_stage) if self.receive_ring else None
         if ring is not None:
             try:
@@ -460,6 +481,12 @@ class ShmConnector:
                 return None  # a writer is at work (or a reader just took it)
             try:
                 segment = store.open_segment(key)
+            except SparseSegment as e:
+                # Ours, and not what a put of ours leaves: a corrupt chunk, consumed like one.
+                if claim is not None and not claim():
+                    return None
+                self._drop_sparse(store, key, lock)
+                raise CorruptChunk(key, str(e)) from None
             except StoreError as e:
                 raise CorruptChunk(key, str(e)) from None
             if segment is None or (claim is not None and not claim()):
@@ -470,6 +497,17 @@ class ShmConnector:
         finally:
             lock.close()
         return self._taken(key, obj, size, error)
+
+    def _drop_sparse(self, store: Store, key: str, lock: LockFile) -> None:
+        """Remove a sparse segment (never kept as a spare) and its lock file, as a get removes a
+        consumed one; the caller holds the lock."""
+        log.warning("dropped the sparse segment %s", key)
+        current_kernel().note("shm.get.corrupt", key=key)
+        try:
+            store.unlink_segment(key)
+        except StoreError as e:
+            log.warning("could not remove the sparse segment %s: %s", key, e)
+        self._remove_lock_after_read(store, key, lock)
 
     def _taken(self, key: str, obj: Any, size: int, error: Exception | None) -> tuple[Any, int]:
         """What a get that consumed ``key``'s bytes returns: the payload, or (bytes that were
@@ -524,11 +562,14 @@ class ShmConnector:
             return None
         if memory is None:
             return None
-        ring = Ring.attach(memory)
+        ring = Ring.attach(memory, retire_malformed=True)
         owner = self.upstream.owner()
         if ring is None or ring.retired or (owner is not None and ring.producer() != (owner.pid, owner.start_ticks)):
             current_kernel().note("ring.refused", edge=edge)
             if ring is not None:
+                # Not the producer's (a replaced producer's, or a stray write over its identity):
+                # retired, so that its producer, if it still puts there, makes a new one.
+                ring.retire()
                 ring.close()
             return None
         self._receive_rings[edge] = (self.upstream, ring)
@@ -610,6 +651,12 @@ class ShmConnector:
         k = current_kernel()
         validate_key(key)
         await k.point("shm.cleanup.begin", key=key)
+        return self._remove_payload(key)
+
+    def _remove_payload(self, key: str) -> bool:
+        """Forget ``key`` and remove its unread payload: its ring frame, or its segment and idle
+        lock file. True if there was one."""
+        k = current_kernel()
         self._pending_keys.pop(key, None)
         if key in self._ring_keys:
             removed = self._cancel_ring_frame(key)

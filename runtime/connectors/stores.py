@@ -71,6 +71,11 @@ class ForeignName(StoreError):
     followed or removed."""
 
 
+class SparseSegment(StoreError):
+    """A segment of ours with a hole in it: no put of ours leaves one (each reserves every byte
+    before the first is written), so what it holds is a corrupt chunk."""
+
+
 class Segment(FrameIO, Protocol):
     """An open segment: positional writes (a created one) and reads (an opened one)."""
 
