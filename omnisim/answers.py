@@ -3,11 +3,13 @@
 The adapter and upstream's callers act on a connector's answers: a put's result (``ok``, the
 bytes it put, the metadata a get names the chunk by), a cleanup's whether it removed an unread
 chunk, ``cleanup_prefix``'s count of those, a wait's whether its stage's wakeup generation
-moved. A slip in an answer leaves the store as it should be, so no check of the store sees it.
-A put or a get that raises what its contract never raises (spec §2.1: a put answers, failed or
-not, and raises only for an invalid key; a get raises only that, or a corrupt chunk) is a wrong
-answer too: its caller turns any exception into a failed request, so a slip that crashes mid-put
-would otherwise pass for a storage failure.
+moved. A chunk a cleanup answered it removed must stay removed: no get that begins after the
+answer hands it out (not even one a put in flight when the cleanup decided goes on to commit),
+until a put places a new chunk of the key. A slip in an answer leaves the store as it should be,
+so no check of the store sees it. A put or a get that raises what its contract never raises
+(spec §2.1: a put answers, failed or not, and raises only for an invalid key; a get raises only
+that, or a corrupt chunk) is a wrong answer too: its caller turns any exception into a failed
+request, so a slip that crashes mid-put would otherwise pass for a storage failure.
 Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
 from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
 between that point and its removal, on the kernel's one thread): whether the key has a segment
@@ -65,6 +67,10 @@ class Answers:
         #: The cleanup each trio task is in, and the cleanups a cleanup_prefix of it made.
         self._cleaning: dict[trio.lowlevel.Task, _Cleanup] = {}
         self._removed_by_prefix: dict[trio.lowlevel.Task, int] = {}
+        #: Keys a cleanup answered it removed, with the answer's number, until a put places a
+        #: new chunk of the key: no get that begins meanwhile may hand one out.
+        self._removed_keys: dict[str, int] = {}
+        self._answers = 0
 
     def watch(self, connector: ShmConnector) -> None:
         """Check every answer ``connector`` gives from now on."""
@@ -80,8 +86,18 @@ class Answers:
             return result
 
         async def answered_get(from_stage: str, to_stage: str, get_key: str, *args: Any, **kwargs: Any) -> Any:
+            removed = self._removed_keys.get(get_key)
             with _raising_only(f"the get of {get_key}", InvalidKeyError, CorruptChunk):
-                return await get(from_stage, to_stage, get_key, *args, **kwargs)
+                got = await get(from_stage, to_stage, get_key, *args, **kwargs)
+            if got is not None and removed is not None and self._removed_keys.get(get_key) == removed:
+                # A get already under way when the cleanup decided may still take the chunk
+                # (spec §2.5); one that began after it must find nothing.
+                _check(
+                    f"the cleanup of {get_key}, then a get of it",
+                    "removed, yet the get took its chunk",
+                    "removed, and the get found nothing",
+                )
+            return got
 
         async def answered_cleanup(key: str) -> bool:
             task = trio.lowlevel.current_task()
@@ -92,6 +108,9 @@ class Answers:
                 del self._cleaning[task]
             if asked.unread is not None:
                 _check(f"the cleanup of {key}", f"removed: {removed}", f"removed: {self._removed(asked)}")
+            if removed:
+                self._answers += 1
+                self._removed_keys[key] = self._answers
             if task in self._removed_by_prefix:
                 self._removed_by_prefix[task] += removed
             return removed
@@ -120,6 +139,10 @@ class Answers:
         connector.cleanup = answered_cleanup  # type: ignore[method-assign]
         connector.cleanup_prefix = answered_cleanup_prefix  # type: ignore[method-assign]
         connector.wait_for_change = answered_wait_for_change  # type: ignore[method-assign]
+
+    def at_put_created(self, attrs: dict[str, Any]) -> None:
+        """A put places a new chunk of its key: a get may hand that one out."""
+        self._removed_keys.pop(str(attrs["key"]), None)
 
     def at_cleanup_begin(self, _task: object, attrs: dict[str, Any]) -> None:
         """A cleanup is about to decide: what is there for it to remove."""

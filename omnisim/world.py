@@ -157,6 +157,9 @@ class World:
         self._counted: dict[int, dict[str, int]] = {}
         #: Task -> what was seen of its put in flight, on a counted connector.
         self._puts_seen: dict[str, PutSeen] = {}
+        #: An edge stage's save task -> its adapter, and the generation each one puts for now.
+        self._save_tasks: dict[str, ChunkTransferAdapter] = {}
+        self._sending: dict[str, tuple[str, int, str]] = {}
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
         self._offered: dict[str, set[Hashable]] = {}
         #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
@@ -235,6 +238,7 @@ class World:
             connector, processor=processor, receives_chunks=receives, sends_chunks=sends, name=f"stage{stage_id}"
         )
         self._counted[stage_id] = count_transfers(connector, self._puts_seen)
+        self._save_tasks[f"{adapter.name}.save"] = adapter
         self.watch_connector(connector)
         stage = self.stages[stage_id] = Stage(stage_id, connector, adapter, process)
         self.add_service(f"stage{stage_id}", adapter.run, adapter.shutdown, process)
@@ -589,6 +593,8 @@ class World:
         k.watch("shm.cleanup.begin", self.answers.at_cleanup_begin)
         k.watch("ring.full", self._at_ring_full)
         k.watch("shm.put.created", self._at_put_created)
+        k.watch("adapter.put", self._at_adapter_put)
+        k.watch("shm.put.end", self._at_put_end)
         if self.store_kind == "ring":
             k.watch("ring.room_wait_timed_out", self._check_room_wait)
         async with k.task_group() as tasks:
@@ -657,8 +663,29 @@ class World:
 
     def _at_put_created(self, task: SimTask, attrs: dict[str, Attr]) -> None:
         """A put chose where its payload goes: its connector counts a ring put if it succeeds."""
+        self.answers.at_put_created(attrs)
         if task.name in self._puts_seen:
             self._puts_seen[task.name].via = str(attrs["via"])
+
+    def _at_adapter_put(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        if task.name in self._save_tasks:
+            self._sending[task.name] = (str(attrs["ext"]), int(attrs["gen"]), str(attrs["key"]))
+
+    def _at_put_end(self, task: SimTask, attrs: dict[str, Attr]) -> None:
+        """A generation owns its id until its put in flight ends (spec §3.5: an abort meanwhile
+        only marks it cancelled — the id drains, new work for it is refused — and the put
+        retires it): whatever ran during the put, the id is still the put's generation's."""
+        sending = self._sending.pop(task.name, None)
+        if sending is None:
+            return
+        ext, gen, key = sending
+        token = self._save_tasks[task.name].sender.tables.sender_tokens.get(ext)
+        self.probe(
+            "exact-key-ownership",
+            token is not None and token.serial == gen,
+            f"generation {gen} of {ext} no longer owns it as its put of {key} ends: it was retired with the put in "
+            "flight, and new work for the id was no longer refused (spec §3.5)",
+        )
 
     def _at_ring_full(self, task: SimTask, attrs: dict[str, Attr]) -> None:
         """A put gave up on its edge's ring as full: its connector counts a fallback, and (on the

@@ -20,7 +20,7 @@ from runtime.transfer.sender import ChunkSender as Sender
     expect=("liveness",),
 )
 def no_terminal_fence() -> Iterator[Patch]:
-    yield Patch(rules, "fence_defers_cleanup", lambda token: False)
+    yield Patch(rules, "cleanup_defers_retire", lambda token: token.in_flight)
 
 
 @mutant(

@@ -185,6 +185,19 @@ def accept_while_draining() -> Iterator[Patch]:
 
 
 @mutant(
+    "retired_with_a_put_in_flight",
+    summary="an abort retires the sender generation at once even while one of its puts is in flight: the id stops "
+    "draining before its last put ends, and work for a reuse of the id is accepted beside it",
+    issue="#8082 (b), spec §3.5 (a bug the harness was not told about: nothing checked that the id drains while "
+    "a put is in flight)",
+    scenarios=("id_reuse_after_cancel",),
+    expect=("exact-key-ownership",),
+)
+def retired_with_a_put_in_flight() -> Iterator[Patch]:
+    yield Patch(rules, "cleanup_defers_retire", lambda token: token.terminal_pending)
+
+
+@mutant(
     "sender_state_not_cleared",
     summary="retiring a generation leaves put_req_chunk behind: a reusing generation continues from the old chunk id",
     issue="#8082 (b)",

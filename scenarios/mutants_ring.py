@@ -184,6 +184,51 @@ def ring_aborted_write_kept() -> Iterator[Patch]:
     yield Patch(Ring, "commit", commit)
 
 
+@mutant(
+    "ring_commit_revives_an_aborted_frame",
+    summary="a put whose frame a cleanup aborted while it was being written commits it all the same: the chunk the "
+    "cleanup answered it removed comes back, and a reader that looks after the cleanup takes it",
+    issue="omnisim issue 11 (a bug the harness was not told about: a cleanup's answer was never compared with "
+    "what gets found after it)",
+    scenarios=("cleanup_during_put",),
+    expect=("answers-true",),
+    store="ring",
+)
+def ring_commit_revives_an_aborted_frame() -> Iterator[Patch]:
+    def commit(self: Ring, frame: Frame) -> bool:
+        if self._state(frame) in (rings.WRITING, rings.ABORTED):
+            self.set_state(frame, rings.READY)
+            return True
+        self.set_state(frame, rings.CANCELLED)
+        return False
+
+    yield Patch(Ring, "commit", commit)
+
+
+@mutant(
+    "ring_find_matches_a_key_prefix",
+    summary="a reader looking for its key on the ring compares only as many bytes as its key has: R's chunk R_1_1 "
+    "matches R_1's frame R_1_1_0, and R takes R_1's chunk for its own",
+    issue="omnisim issue 11 (a bug the harness was not told about: sibling ids were never both read on a ring)",
+    scenarios=("sibling_ids_both_read",),
+    expect=("no-corrupt-accept", "samples-exactly-once"),
+    store="ring",
+)
+def ring_find_matches_a_key_prefix() -> Iterator[Patch]:
+    def find(self: Ring, key: str) -> Frame | None:
+        encoded = key.encode("ascii")
+        pos, head = self._bounds()
+        while pos < head:
+            state, key_len, payload_len, span = self._described(pos, head)
+            at = self._at(pos)
+            if state == rings.READY and self.view[at + FRAME.size : at + FRAME.size + len(encoded)] == encoded:
+                return Frame(pos, state, key, at + rings._align(FRAME.size + key_len), payload_len, span)
+            pos += span
+        return None
+
+    yield Patch(Ring, "find", find)
+
+
 _cancel = Ring.cancel
 
 

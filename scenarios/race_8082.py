@@ -131,6 +131,20 @@ async def similar_ids(world: World) -> None:
 
 
 @edge_scenario(
+    "sibling_ids_both_read",
+    summary="requests 'R' and 'R_1' stream across the edge at once and both are read: R's chunk keys (R_1_k) are "
+    "the start of R_1's (R_1_1_k), and each reader takes its own chunks only, on a segment or a ring",
+    issue="#8082 (c), from the reader's side (a bug the harness was not told about: a ring's key matched by prefix)",
+)
+async def sibling_ids_both_read(world: World) -> None:
+    shorter, longer = EdgeRequest(world, "R"), EdgeRequest(world, "R_1")
+    await together(
+        ("R", lambda: serve(shorter, [4, 25, 3])),
+        ("R_1", lambda: serve(longer, [4, 25, 3])),
+    )
+
+
+@edge_scenario(
     "terminal_success_vs_failure",
     summary="a sent terminal survives the sender's cleanup; a failed terminal (its segment left by a raising put) "
     "is reclaimed",

@@ -65,10 +65,11 @@ def processor_flushes(*, is_segment_finished: bool, is_finished: bool) -> bool:
     return is_segment_finished or is_finished
 
 
-def fence_defers_cleanup(token: SenderGeneration) -> bool:
-    """§3.5, §3.6: while a terminal is queued, cleanup only marks the generation cancelled; the
-    terminal task owes the reclaim (the #6670 fence)."""
-    return token.terminal_pending
+def cleanup_defers_retire(token: SenderGeneration) -> bool:
+    """§3.5, §3.6: while a terminal is queued (the #6670 fence) or a put is in flight, cleanup only
+    marks the generation cancelled — its id drains, new work for it is refused — and the terminal
+    task or the put owes the retirement and the reclaim."""
+    return token.terminal_pending or token.in_flight
 
 
 def needs_reclaim(token: SenderGeneration) -> bool:

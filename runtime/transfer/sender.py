@@ -402,7 +402,7 @@ class ChunkSender:
             else:
                 token.cancelled = True
                 # Its terminal's task (fenced) or the put in flight retires it when it ends.
-                if not (rules.fence_defers_cleanup(token) or token.in_flight):
+                if not rules.cleanup_defers_retire(token):
                     self._retire_generation_locked(ext, token)
         await k.point("adapter.cleanup_sender.end", ext=ext)
 
