@@ -11,7 +11,8 @@ Exit status, for every verb:
 130   stopped by Ctrl-C (SIGINT), after printing what ran so far; 143 for SIGTERM
 ====  =======================================================================================
 
-With ``--json`` the last line printed is one JSON object. ``-v`` (anywhere on the line) shows
+With ``--json`` the last line printed is one JSON object (``{"error": …}`` for a command that
+failed after it started). ``-v`` (anywhere on the line) shows
 the runtime's log and the traceback of an unexpected error.
 """
 
@@ -1471,6 +1472,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"omnisim: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         except CommandFailed as e:
+            if json_output:  # (work was done: a --json command still ends with its JSON line)
+                print(json.dumps({"error": str(e)}), flush=True)
             print(f"omnisim: {e}", file=sys.stderr)
             return EXIT_VIOLATION
         except BaseException as e:
@@ -1486,6 +1489,8 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             message = textwrap.shorten(f"{type(e).__name__}: {e}", 300)
             hint = "" if verbose else " (run with -v for the traceback)"
+            if json_output:
+                print(json.dumps({"internal_error": message}), flush=True)
             print(f"omnisim: internal error: {message}{hint}", file=sys.stderr)
             return EXIT_INTERNAL
 

@@ -69,6 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.trio import serve as hypercorn_serve
 
     from omnisim.pipeline_cli import engine_parts
+    from runtime.orchestrator import EngineStopped
     from runtime.pipeline import Models, build_engine
     from runtime.real_kernel import run
     from runtime.serving.http import Server
@@ -111,7 +112,17 @@ def serve(args: argparse.Namespace) -> int:
                 nursery.start_soon(on_signal)
                 nursery.start_soon(engine.run)
                 with trio.move_on_after(args.ready_timeout) as waiting:
-                    await engine.wait_ready(args.ready_timeout)
+                    try:
+                        await engine.wait_ready(args.ready_timeout)
+                    except EngineStopped as e:
+                        # A signal stopped the engine while its stages started (or a stage could
+                        # not start): the stop goes on in order, as it does once serving.
+                        if not received:
+                            not_up.append(str(e))
+                        engine.shutdown()
+                        listening.cancel()
+                        nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+                        return
                 if waiting.cancelled_caught:
                     # (said once the stages stopped: raised in here it would come out in a group)
                     not_up.append(f"the stages were not up after {args.ready_timeout:g} s")

@@ -166,6 +166,7 @@ def soak(
     namespaces: set[str] = {store.namespace}
     todo = list(range(requests))
     done = 0
+    all_done = trio.Event()
     #: Per stage: (pid, requests done, seconds since that pid was first seen, RSS in KiB).
     rss: dict[str, list[tuple[int | None, int, float, int]]] = {s.spec.name: [] for s in stages}
     first_seen: dict[int | None, float] = {}
@@ -223,13 +224,16 @@ def soak(
                 report.problems.append(f"{rid}: failed for no stage death: {error}")
             previous = rid
             done += 1
+            if done >= requests:
+                all_done.set()
             if progress is not None:
                 progress(done, report)
 
     async def killer(work: trio.Nursery) -> None:
         assert kill_every is not None
         while True:
-            await trio.sleep(kill_every)
+            with trio.move_on_after(kill_every):
+                await all_done.wait()  # (the run ends when its requests do, not at the next kill)
             if done >= requests:
                 return
             victim = stages[rng.randrange(len(stages))]
@@ -283,6 +287,12 @@ def soak(
         store.sweep()
     report.faults_fired = len(kernel.fired)
     report.seconds = time.perf_counter() - started
+    if kill_every and stages and not report.kills:
+        # A soak asked to kill that killed nothing did not test what it was asked to.
+        report.problems.append(
+            f"asked to kill a stage every {kill_every:g} s, but the requests were done before the first kill "
+            f"({report.seconds:.1f} s in all): send more requests, or kill more often"
+        )
     report.requests = requests
     report.restarts = {s.spec.name: s.restarts for s in stages}
     for name, samples in rss.items():

@@ -145,7 +145,9 @@ def code2wav_scheduler(
             n = len(chunk.prompt_token_ids) // 16
             codes = torch.tensor(chunk.prompt_token_ids, dtype=torch.int64).reshape(16, n)
             stream = by_id[chunk.request.request_id].stream
-            stream.received_frames.extend(tuple(codes[:, j].tolist()) for j in range(chunk.left_context_size, n))
+            frames = [tuple(codes[:, j].tolist()) for j in range(n)]
+            check_left_context(world, chunk.request.request_id, frames, chunk.left_context_size, stream.received_frames)
+            stream.received_frames.extend(frames[chunk.left_context_size :])
         return decode_chunks(model, [(c.prompt_token_ids, c.left_context_size) for c in chunks])
 
     scheduler = GenerationScheduler(world.stages[CODE2WAV].adapter, run_model, input_wait_timeout_s)
@@ -153,6 +155,21 @@ def code2wav_scheduler(
         req.scheduler = scheduler
     world.components[name] = scheduler
     return scheduler
+
+
+def check_left_context(world: World, request_id: str, frames: list[tuple], left: int, before: list[tuple]) -> None:
+    """A chunk carries as left context the frames just before its new ones: as many as spec §4.1
+    step 6 gives, which with a left context of at most a chunk (4/25/25 here) is every frame
+    before it, up to ``codec_left_context_frames`` (a context one frame short decodes audio
+    that differs only where the model reaches that far back)."""
+    want = min(len(before), OMNI_CHUNKING.codec_left_context_frames)
+    world.probe(
+        "merged-as-spec",
+        left == want and frames[:left] == before[len(before) - left :],
+        f"{request_id}'s chunk after {len(before)} frames carries {left} frames of left context"
+        f"{'' if frames[:left] == before[len(before) - left :] else ' that are not the frames before it'}, "
+        f"not the {want} before it (spec §4.1)",
+    )
 
 
 async def code2wav_stage(

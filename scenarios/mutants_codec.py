@@ -30,6 +30,30 @@ def flush_on_segment_only() -> Iterator[Patch]:
     yield Patch(rules, "processor_flushes", flush_on_segment_end)
 
 
+_window = talker2code2wav.Talker2Code2WavAsyncChunk.window
+
+
+@mutant(
+    "left_context_one_frame_short",
+    summary="a chunk past the first two carries one frame less of left context than spec §4.1 gives: the audio "
+    "differs only where the decoder reaches that far back (the toy Code2Wav does not)",
+    issue="spec §4.1 step 6 (a bug the harness was not told about: the left context was checked only by the audio)",
+    scenarios=("code2wav_stream",),
+    expect=("merged-as-spec",),
+)
+def left_context_one_frame_short() -> Iterator[Patch]:
+    def window(
+        self: talker2code2wav.Talker2Code2WavAsyncChunk, length: int, chunk_id: int, is_finished: bool, appended: bool
+    ) -> tuple[int, int] | None:
+        spec = _window(self, length, chunk_id, is_finished, appended)
+        if spec is None or chunk_id < 2 or spec[0] == 0:
+            return spec
+        left, end = spec
+        return left - 1, end - 1
+
+    yield Patch(talker2code2wav.Talker2Code2WavAsyncChunk, "window", window)
+
+
 @mutant(
     "no_codebook_major_transpose",
     summary="frames go on the wire frame-major: the length is valid, the codes are scrambled",

@@ -109,7 +109,8 @@ def ring_wrap_pad_short() -> Iterator[Patch]:
 )
 def ring_cancel_never_reclaims() -> Iterator[Patch]:
     def cancel(self: Ring, key: str, pos: int) -> bool:
-        return pos >= self.tail and self.frame(pos).key == key
+        frame = self.frame(pos)
+        return frame is not None and frame.key == key
 
     yield Patch(Ring, "cancel", cancel)
 

@@ -268,6 +268,20 @@ def test_soak_runs_the_pipeline_it_is_given(capsys: pytest.CaptureFixture[str]) 
     assert report["shm_left"] == [] and report["pipeline"].endswith("qwen3_omni.yaml")
 
 
+def test_a_json_command_that_fails_still_ends_with_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omnisim.base import CommandFailed
+
+    def failing(args: argparse.Namespace) -> int:
+        raise CommandFailed("request r failed: stage talker died")
+
+    monkeypatch.setattr(cli, "cmd_pipeline", failing)
+    code, out, err = omnisim(capsys, "pipeline", "run", "--text", "hi", "--json")
+    assert code == 1 and last_json(out) == {"error": "request r failed: stage talker died"}
+    assert "stage talker died" in err
+
+
 def test_verbose_works_anywhere(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["-v", "list", "points"], ["list", "-v", "points"], ["list", "points", "-v"]):
         code, out, err = omnisim(capsys, *argv)

@@ -145,12 +145,20 @@ def _stage_processes() -> set[int]:
     return found
 
 
+HEADS = {
+    "soak": ["soak", "--processes", "--requests", "100000", "--concurrency", "4"],
+    # (its stages start: a signal then once ended the start-up with an internal error, exit 4)
+    "serve": ["serve", "--processes", "--port", "0"],
+}
+
+
+@pytest.mark.parametrize("head_command", HEADS)
 @pytest.mark.parametrize("settle_s", [0.0, 2.0], ids=["while-starting", "while-serving"])
-def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean(settle_s: float) -> None:
+def test_sigterm_to_the_head_stops_the_stages_and_leaves_dev_shm_clean(settle_s: float, head_command: str) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     stages_before = _stage_processes()
     head = subprocess.Popen(
-        [sys.executable, "-m", "omnisim.cli", "soak", "--processes", "--requests", "100000", "--concurrency", "4"],
+        [sys.executable, "-m", "omnisim.cli", *HEADS[head_command]],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -192,6 +200,14 @@ def test_a_short_soak_with_kills_is_clean() -> None:
     assert report.outcomes["finished"] > 0, report.as_dict()
     assert sum(report.restarts.values()) >= 3
     assert max(report.noticed_s) < 1.0, report.noticed_s
+
+
+def test_a_soak_asked_to_kill_that_killed_nothing_says_so() -> None:
+    from omnisim.soak import clean, soak
+
+    report = soak(2, 2, processes=True, kill_every=600.0, seed=0)
+    assert report.kills == 0 and not clean(report)
+    assert any("before the first kill" in problem for problem in report.problems), report.problems
 
 
 def test_with_restart_fail_a_dead_stage_takes_the_engine_down() -> None:

@@ -213,6 +213,32 @@ async def test_a_producer_removes_its_corrupt_ring_without_waiting_for_a_put(
     assert store.rings() == [] and store.segments() == [] and store.lock_files() == []
 
 
+@pytest.mark.parametrize("walk", ["reap", "cleanup"])
+async def test_a_frame_released_between_two_looks_of_its_producer_is_taken_not_corrupt(
+    store: Store, walk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The producer walks its frames without the lock; a reader in another process may release
+    one between two of its reads of the tail (found by a review of stage processes: a healthy
+    ring was retired as corrupt, its unread chunks lost, a request left to its input deadline).
+    Here the first read of the tail is the one from before the reader's release."""
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    await put(producer, "R_1_1", chunk(1))
+    stale = [producer._send_rings["edge_1_2"].tail]
+    assert (await take(consumer, "R_1_0"))["i"] == 0  # taken and released: the tail moves past it
+    fresh = Ring.tail.fget
+    monkeypatch.setattr(Ring, "tail", property(lambda ring: stale.pop() if stale else fresh(ring)))
+    if walk == "reap":
+        producer.reap_consumed()
+    else:
+        assert await producer.cleanup("R_1_0") is False  # taken already: nothing removed
+    monkeypatch.undo()
+    assert store.rings() == ["edge_1_2"] and not producer._send_rings["edge_1_2"].retired
+    assert (await take(consumer, "R_1_1"))["i"] == 1  # the ring and the chunk on it are still there
+    await producer.cleanup_prefix("R_1_")
+    await close(producer, consumer)
+
+
 async def test_a_put_that_finds_its_ring_corrupt_sends_all_the_same(store: Store) -> None:
     producer, consumer = pair(store)
     await put(producer, "R_1_0", chunk(0))

@@ -292,10 +292,15 @@ class Ring:
         key = bytes(self.view[at + FRAME.size : at + FRAME.size + key_len]).decode("ascii", "replace")
         return Frame(pos, state, key, at + _align(FRAME.size + key_len), payload_len, span)
 
-    def frame(self, pos: int) -> Frame:
-        """The frame at ``pos``, a boundary between the tail and the head."""
+    def frame(self, pos: int) -> Frame | None:
+        """The frame this process reserved at ``pos``; None if the tail has passed it (it is
+        finished: its reader took it meanwhile, perhaps from another process, and released it —
+        the producer reads without the lock, and only the producer reuses space, so the bytes
+        there stay its frame's until its own next reserve)."""
         tail, head = self._bounds()
-        if not tail <= pos < head or pos % ALIGN:
+        if pos < tail:
+            return None
+        if pos >= head or pos % ALIGN:
             raise RingCorrupt(f"no frame can start at {pos} (tail {tail}, head {head})")
         return self._frame(pos, head)
 
@@ -344,10 +349,8 @@ class Ring:
     def cancel(self, key: str, pos: int) -> bool:
         """Cancel ``key``'s frame at ``pos`` if it is still being written (ABORTED) or unread
         (CANCELLED); True if it did. The producer's move, without the lock (see above)."""
-        if pos < self._bounds()[0]:
-            return False
         frame = self.frame(pos)
-        if frame.key != key or frame.state not in (WRITING, READY):
+        if frame is None or frame.key != key or frame.state not in (WRITING, READY):
             return False
         self.set_state(frame, ABORTED if frame.state == WRITING else CANCELLED)
         return True

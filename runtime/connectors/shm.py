@@ -246,10 +246,14 @@ class ShmConnector:
                 ring.abandon(reserved)
             self._ring_keys.pop(key, None)
             raise
-        if ring.memory.closed or not ring.commit(reserved):
-            # Cancelled while it was being written (or the connector closed under it): the
-            # cleanup wins, as it does over a segment it unlinked under a writer.
+        if ring.memory.closed:
+            self._ring_keys.pop(key, None)  # (the connector closed under it: its close took the key)
+        elif not ring.commit(reserved):
+            # Cancelled while it was being written: the cleanup wins, as it does over a segment
+            # it unlinked under a writer. Its space is free only now (the cleanup could not
+            # release it), so a put waiting for room is told now, not at its deadline.
             self._ring_keys.pop(key, None)
+            self._release_if_free(ring, edge)
         return True
 
     async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> bool:
@@ -321,12 +325,17 @@ class ShmConnector:
         except rings.RingCorrupt as e:
             self._retire_corrupt(ring, edge, e)
             return False
+        self._release_if_free(ring, edge)
+        return True
+
+    def _release_if_free(self, ring: Ring, edge: str) -> None:
+        """:meth:`_release` if the ring's lock is free now (never waits: a reader holding it
+        releases when it lets go)."""
         if ring.memory.try_lock():
             try:
                 self._release(ring, edge)
             finally:
                 ring.memory.unlock()
-        return True
 
     def _release(self, ring: Ring, edge: str) -> None:
         """With the ring's lock held: release the finished frames at its front, and wake the
@@ -731,9 +740,9 @@ class ShmConnector:
         try:
             if ring.retired:  # its reader found it corrupt
                 self._drop_send_ring(edge, ring)
-            elif pos >= ring.tail:
-                frame = ring.frame(pos)
-                if frame.key == key and frame.state in (rings.WRITING, rings.READY):
+            else:
+                frame = ring.frame(pos)  # (None: taken and released already, by now)
+                if frame is not None and frame.key == key and frame.state in (rings.WRITING, rings.READY):
                     return True
         except rings.RingCorrupt as e:
             self._retire_corrupt(ring, edge, e)
