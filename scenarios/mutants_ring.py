@@ -230,6 +230,28 @@ def ring_find_matches_a_key_prefix() -> Iterator[Patch]:
     yield Patch(Ring, "find", find)
 
 
+@mutant(
+    "ring_tail_passes_an_aborted_write",
+    summary="the ring's tail passes a frame a cleanup aborted while its put still writes it: the next put that "
+    "wraps around reserves that space, and the late writer's bytes and commit land in the new chunk, which is lost",
+    issue="issue 13 (a bug the harness was not told about: a ring's tail that passes a frame still being written)",
+    scenarios=("cancelled_write_space",),
+    expect=("liveness", "no-corrupt-accept", "failures-have-causes"),
+    store="ring",
+)
+def ring_tail_passes_an_aborted_write() -> Iterator[Patch]:
+    def release_finished(self: Ring) -> None:
+        pos, head = self._bounds()
+        while pos < head:
+            state, _, _, span = self._described(pos, head)
+            if state not in (rings.DONE, rings.CANCELLED, rings.ABORTED, PAD):
+                break
+            pos += span
+        self._words[rings._TAIL_AT // 8] = pos
+
+    yield Patch(Ring, "release_finished", release_finished)
+
+
 _cancel = Ring.cancel
 
 
