@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -312,26 +311,24 @@ def soak(
     return report
 
 
-def print_report(report: SoakReport, out: Any = sys.stdout) -> None:
+def print_report(report: SoakReport) -> None:
     d = report.as_dict()
     print(
         f"{d['requests']} requests in {report.seconds:.1f}s ({d['requests_per_s']}/s): {d['outcomes']}; "
         f"{d['kills']} stage(s) killed, restarts {d['restarts']}, {d['faults_fired']} fault(s) injected",
-        file=out,
     )
     print(
         f"latency of finished requests: {d['latency']}; largest sample difference from a solo run "
         f"{d['max_sample_error']:.1e}",
-        file=out,
     )
     if report.kills:
-        print(f"after a kill: death noticed {d['death_noticed']}; stage back and ready {d['back_ready']}", file=out)
-    print(f"RSS growth over the second half, per stage process: {d['rss_growth_pct']}", file=out)
-    print(f"residue: {d['residue'] or 'none'}; /dev/shm left: {d['shm_left'] or 'none'}", file=out)
+        print(f"after a kill: death noticed {d['death_noticed']}; stage back and ready {d['back_ready']}")
+    print(f"RSS growth over the second half, per stage process: {d['rss_growth_pct']}")
+    print(f"residue: {d['residue'] or 'none'}; /dev/shm left: {d['shm_left'] or 'none'}")
     for problem in d["problems"]:
-        print(f"  PROBLEM {problem}", file=out)
+        print(f"  PROBLEM {problem}")
     if d["problem_count"] > len(d["problems"]):
-        print(f"  … {d['problem_count'] - len(d['problems'])} more", file=out)
+        print(f"  … {d['problem_count'] - len(d['problems'])} more")
 
 
 def clean(report: SoakReport) -> bool:

@@ -262,7 +262,7 @@ def test_soak_runs_the_pipeline_it_is_given(capsys: pytest.CaptureFixture[str]) 
         "--json",
     )
     report = last_json(out)
-    assert code == 0, report["problems"]
+    assert code == 0, out
     assert report["async_chunk"] == "off" and set(report["transport"].values()) == {"segments"}
     assert report["outcomes"].get("finished", 0) + report["outcomes"].get("aborted", 0) == 4
     assert report["shm_left"] == [] and report["pipeline"].endswith("qwen3_omni.yaml")
