@@ -12,8 +12,8 @@ Exit status, for every verb:
 ====  =======================================================================================
 
 With ``--json`` the last line printed is one JSON object (``{"error": …}`` for a command that
-failed after it started). ``-v`` (anywhere on the line) shows
-the runtime's log and the traceback of an unexpected error.
+failed after it started). ``-v`` (anywhere on the line) shows the runtime's log and the traceback
+of an unexpected error.
 """
 
 from __future__ import annotations

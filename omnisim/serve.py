@@ -109,26 +109,26 @@ def serve(args: argparse.Namespace) -> int:
                         return
 
             async with trio.open_nursery() as nursery:
+
+                def never_up(why: str | None) -> None:
+                    """Stop the stages that were starting, in order (``why``, said once they stopped:
+                    raised in here it would come out in a group; None: a signal stopped them)."""
+                    if why is not None:
+                        not_up.append(why)
+                    engine.shutdown()
+                    listening.cancel()
+                    nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+
                 nursery.start_soon(on_signal)
                 nursery.start_soon(engine.run)
                 with trio.move_on_after(args.ready_timeout) as waiting:
                     try:
                         await engine.wait_ready(args.ready_timeout)
-                    except EngineStopped as e:
-                        # A signal stopped the engine while its stages started (or a stage could
-                        # not start): the stop goes on in order, as it does once serving.
-                        if not received:
-                            not_up.append(str(e))
-                        engine.shutdown()
-                        listening.cancel()
-                        nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+                    except EngineStopped as e:  # a signal while the stages started, or a stage that could not
+                        never_up(None if received else str(e))
                         return
                 if waiting.cancelled_caught:
-                    # (said once the stages stopped: raised in here it would come out in a group)
-                    not_up.append(f"the stages were not up after {args.ready_timeout:g} s")
-                    engine.shutdown()
-                    listening.cancel()
-                    nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
+                    never_up(f"the stages were not up after {args.ready_timeout:g} s")
                     return
                 where = "as processes" if engine_in_processes(engine) else "in process"
                 print(

@@ -240,16 +240,7 @@ def ring_find_matches_a_key_prefix() -> Iterator[Patch]:
     store="ring",
 )
 def ring_tail_passes_an_aborted_write() -> Iterator[Patch]:
-    def release_finished(self: Ring) -> None:
-        pos, head = self._bounds()
-        while pos < head:
-            state, _, _, span = self._described(pos, head)
-            if state not in (rings.DONE, rings.CANCELLED, rings.ABORTED, PAD):
-                break
-            pos += span
-        self._words[rings._TAIL_AT // 8] = pos
-
-    yield Patch(Ring, "release_finished", release_finished)
+    yield Patch(rings, "FINISHED", rings.FINISHED | {rings.ABORTED})
 
 
 _cancel = Ring.cancel

@@ -84,6 +84,15 @@ def shm_names() -> set[str]:
     return {name for name in os.listdir(SHM_DIR) if name.startswith("omnisim-")}
 
 
+def make_sparse(path: str) -> None:
+    """Extend the file at ``path`` to 1 GiB without reserving a byte: a hole no put of ours leaves."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 1 << 30)
+    finally:
+        os.close(fd)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="also run the long campaigns (marked `long`)")
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from conftest import make_sparse
 
 import runtime.connectors.shm as shm_module
 from runtime.connectors.base import CorruptChunk
@@ -535,11 +536,7 @@ async def test_a_sparse_segment_is_a_corrupt_chunk_and_consumed() -> None:
     store = PosixStore()
     conn = ShmConnector(store)
     await put(conn, "R_1_0", {"x": torch.zeros(1 << 16)})
-    fd = os.open(store.segment_path("R_1_0"), os.O_RDWR)
-    try:
-        os.ftruncate(fd, 1 << 30)
-    finally:
-        os.close(fd)
+    make_sparse(store.segment_path("R_1_0"))
     with pytest.raises(CorruptChunk, match="sparse"):
         await conn.get("0", "1", "R_1_0")
     assert residue(store) == ([], []) and store.spares() == []

@@ -11,6 +11,7 @@ import numpy as np
 import posix_ipc
 import pytest
 import torch
+from conftest import make_sparse
 
 from runtime.connectors.keys import MAX_KEY_LENGTH, InvalidKeyError
 from runtime.connectors.namespaces import Owner, ShmDirectory
@@ -711,10 +712,6 @@ def test_posix_a_sparse_segment_is_refused(posix: PosixStore) -> None:
     """A segment of ours is reserved whole before it is written; one whose size is a hole (a
     header there could claim gigabytes) is refused before a byte of it is read."""
     write_segment(posix, "k", encode({"x": 1}))
-    fd = os.open(posix.segment_path("k"), os.O_RDWR)
-    try:
-        os.ftruncate(fd, 1 << 30)
-    finally:
-        os.close(fd)
+    make_sparse(posix.segment_path("k"))
     with pytest.raises(StoreError, match="sparse"):
         posix.open_segment("k")

@@ -95,6 +95,9 @@ _FRAME_HEAD_MAX = 256
 
 WRITING, READY, DONE, CANCELLED, PAD, ABORTED = 1, 2, 3, 4, 5, 6
 _STATES = frozenset({WRITING, READY, DONE, CANCELLED, PAD, ABORTED})
+#: The states whose space the tail may pass: nothing in such a frame can be read or written any
+#: more (an ABORTED frame's producer may still be writing into it).
+FINISHED = frozenset({DONE, CANCELLED, PAD})
 
 #: The least payload a ring must carry: the smallest wire frame (an empty payload's, 88 bytes) fits.
 MIN_PAYLOAD = 2 * ALIGN
@@ -386,7 +389,7 @@ class Ring:
         pos, head = self._bounds()
         while pos < head:
             state, _, _, span = self._described(pos, head)
-            if state not in (DONE, CANCELLED, PAD):
+            if state not in FINISHED:
                 break
             pos += span
         self._words[_TAIL_AT // 8] = pos
