@@ -30,7 +30,9 @@ _request_ids = itertools.count()
 class ClientOutput:
     """One item of a ``generate`` stream. ``data`` is a ``str`` (text), a 1-D float tensor at
     24 kHz (audio) or a list of :class:`~runtime.models.aligner.WordTimestamp`. The last item has
-    ``finished`` set; ``error`` says why a request ended early ("aborted" after :func:`abort`)."""
+    ``finished`` set; ``error`` says why a request ended early ("aborted" after :func:`abort`;
+    an :class:`~runtime.orchestrator.Unavailable` when the engine stopped or a stage died under
+    it, which a retry may get past)."""
 
     kind: OutputType
     data: Any

@@ -43,8 +43,17 @@ from runtime.stages import ComputeMeter, StageHandle, TalkerFrame, ThinkerDelta
 
 log = logging.getLogger(__name__)
 
+
+class Unavailable(str):
+    """A request's error that is the engine's state, not the request's fault: the engine stopped,
+    or a stage it needs died (and may be coming back). Retrying later may succeed, so a server
+    answers it with 503 and ``Retry-After``. It is a ``str``, equal to its message."""
+
+    __slots__ = ()
+
+
 ABORTED = "aborted"
-SHUT_DOWN = "the engine shut down"
+SHUT_DOWN = Unavailable("the engine shut down")
 #: How long a shutdown waits for the requests in flight to be aborted and released.
 SHUTDOWN_GRACE_S = 5.0
 #: How long a new request waits for a stage that is being restarted.
@@ -105,6 +114,9 @@ class RequestState:
     #: The final stage's finished outputs, held until every submitted stage finished.
     pending_final: list[EngineOutput] = field(default_factory=list)
     error: str | None = None
+    #: A stage that held the request died meanwhile: its failure, whichever stage reports it
+    #: (one that waited for the dead stage's chunks, say), is :class:`Unavailable`.
+    outlived_a_stage: bool = False
     #: The client got its terminal: nothing more is published.
     closed: bool = False
 
@@ -172,7 +184,10 @@ class Orchestrator:
         log.warning("stage %s died: %s", name, reason)
         current_kernel().note("orch.stage_died", stage=stage_id, reason=reason)
         for state in list(self.requests.values()):
-            if stage_id in state.stage_requests and stage_id not in state.finished_stages:
+            if stage_id not in state.stage_requests:
+                continue
+            state.outlived_a_stage = True
+            if stage_id not in state.finished_stages:
                 state.finished_stages.add(stage_id)  # it will report nothing more
                 self._fail(state, f"stage {name} died: {reason}")
                 self._maybe_complete(state)
@@ -273,7 +288,7 @@ class Orchestrator:
         # finished, and the request fails (the caller completes it once the others stopped).
         if not stage.health()["alive"]:
             state.finished_stages.add(stage_id)
-            self._fail(state, f"stage {stage.spec.name} is down (its process died)")
+            self._fail(state, Unavailable(f"stage {stage.spec.name} is down (its process died)"))
             return
         try:
             stage.submit(request, payload, sends=stage_id < state.final_stage_id)
@@ -342,7 +357,7 @@ class Orchestrator:
         if state.error is None and not state.closed:
             log.warning("request %s failed: %s", state.request_id, reason)
             current_kernel().note("orch.fail", req=state.request_id, reason=reason)
-            state.error = reason
+            state.error = Unavailable(reason) if state.outlived_a_stage else reason
             self._abort_stages(state)
 
     def _abort_stages(self, state: RequestState) -> None:

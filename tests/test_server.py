@@ -8,6 +8,7 @@ import base64
 import io
 import itertools
 import json
+import os
 import random
 import re
 import shutil
@@ -459,6 +460,7 @@ def test_a_whole_response_pending_at_a_signal_is_a_503() -> None:
     assert not left_behind(before)
     [reply] = replies
     assert reply.status_code == 503, reply.text
+    assert reply.headers["retry-after"] == "1"
     assert reply.json()["error"]["type"] == "server_error" and "shut down" in reply.json()["error"]["message"]
 
 
@@ -517,6 +519,44 @@ def test_serve_with_stage_processes() -> None:
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
         response = httpx.post(f"{running.url}/v1/audio/speech", json={"input": TEXT}, timeout=60)
         assert response.status_code == 200 and _pcm(response.content)
+    finally:
+        assert running.stop(signal.SIGTERM) == 143
+    assert not left_behind(before)
+
+
+def _stage_process(server: Running, stage_id: int) -> int:
+    """The pid of the server's stage process ``stage_id``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        ours = ppid == server.proc.pid and b"runtime.stage_process" in argv
+        if ours and json.loads(argv[-2])["stage_id"] == stage_id:
+            return int(entry.name)
+    raise AssertionError(f"no stage process {stage_id} under the server")
+
+
+def test_a_stage_dying_under_a_whole_response_is_a_503_and_a_retry_succeeds() -> None:
+    """The stage restarts by itself: the client is told to retry (503, Retry-After), not that its
+    request was bad (500), and the retry succeeds."""
+    before = shm_names()
+    running = start_server("--processes")
+    replies: list[httpx.Response] = []
+    try:
+        asking = threading.Thread(target=lambda: replies.append(_speech(running, input="word " * 2000)), daemon=True)
+        asking.start()
+        while _metric(running, 'omnisim_stage_requests{stage="talker"}') < 1:
+            time.sleep(0.05)
+        os.kill(_stage_process(running, 1), signal.SIGKILL)
+        asking.join(60)
+        [reply] = replies
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["retry-after"] == "1"
+        assert "stage talker died" in reply.json()["error"]["message"]
+        retried = _speech(running)
+        assert retried.status_code == 200 and _pcm(retried.content)
     finally:
         assert running.stop(signal.SIGTERM) == 143
     assert not left_behind(before)

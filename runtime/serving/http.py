@@ -38,7 +38,7 @@ from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
 from runtime.models.aligner import WordTimestamp
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.orchestrator import ABORTED, SHUT_DOWN, Orchestrator
+from runtime.orchestrator import ABORTED, Orchestrator, Unavailable
 from runtime.serving.audio import encode, pcm16, wav_header
 from runtime.serving.metrics import Playback, ServingMetrics
 from runtime.serving.requests import ApiError, SessionConfig, parse_chat, parse_session_config, parse_speech
@@ -49,6 +49,9 @@ MAX_BODY_BYTES = 1 << 20
 WORD_TIMESTAMPS_HEADER_CAP = 4096
 #: How long a chat completion's audio stays fetchable, as OpenAI announces it (``expires_at``).
 AUDIO_EXPIRES_S = 24 * 3600
+#: The ``Retry-After`` of a 503: a new request waits for a stage that is restarting by itself,
+#: so a client need not wait long before it retries.
+RETRY_AFTER_S = 1
 PAGE = Path(__file__).with_name("static") / "index.html"
 
 log = logging.getLogger(__name__)
@@ -617,14 +620,17 @@ async def _websocket_only(request: Request) -> Response:
 
 
 def _request_failed(error: str) -> ApiError:
-    """The error of a request that failed once started: 503 when the engine stopped under it (the
-    client may retry elsewhere or later), 500 for a failure of the request itself."""
-    return ApiError(f"the request failed: {error}", status=503 if error == SHUT_DOWN else 500)
+    """The error of a request that failed once started: 503 with ``Retry-After`` when the engine
+    could not serve it (it stopped, or a stage died and restarts: the client may retry elsewhere
+    or later), 500 for a failure of the request itself."""
+    if isinstance(error, Unavailable):
+        return ApiError(f"the request failed: {error}", status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(f"the request failed: {error}", status=500)
 
 
 async def _api_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, ApiError)
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _http_error(request: Request, e: Exception) -> Response:

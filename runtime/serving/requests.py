@@ -15,11 +15,20 @@ from runtime.serving import RequestRejected, check_input_text
 class ApiError(Exception):
     """A request the server refuses: ``status`` and OpenAI's ``{"error": {…}}`` body."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
