@@ -306,8 +306,9 @@ async def a_ring_a_stray_write_broke(
     world: World, sender: ShmConnector, receiver: ShmConnector, edge: tuple[str, str]
 ) -> None:
     """Bytes of a ring no producer of ours writes, met first by its reader or by its producer: no
-    get, put, cleanup or reap raises out of them; the chunk on it is lost, never handed out; the
-    producer's next put goes on a new ring (or a segment), and the edge goes on."""
+    get, put, cleanup or reap raises out of them; the chunk on it is lost, never handed out, and
+    a get of it says so (its request fails at once, not at its input deadline); the producer's
+    next put goes on a new ring (or a segment), and the edge goes on."""
     for i, (where, found_by) in enumerate(itertools.product(STRAY_WRITES, FOUND_BY)):
         lost, kept = f"stray_{i}_0", f"stray_{i}_1"
         fired = len(world.fired_faults())
@@ -370,8 +371,15 @@ async def break_the_ring(
     cases = [(f"{case}: what it gave", met, "ok")]
     if found_by != "its producer's put":
         await outcome(lambda: sender.put(*edge, kept, payload))
-    got, taken = await outcome(lambda: receiver.get(*edge, lost))
-    cases.append((f"{case}: a get of the chunk it held", f"{got} {taken is None}", "ok True"))
+    try:
+        taken = await receiver.get(*edge, lost)
+        seen = "nothing" if taken is None else "the chunk"
+    except CorruptChunk as e:
+        seen = "lost, and said so" if "its producer lost it" in e.cause else f"CorruptChunk: {e.cause}"
+    # Its producer's next look at the broken ring marked it lost, unless it was cleaned up first
+    # (nobody waits for it then).
+    want = "nothing" if found_by == "its producer's cleanup" else "lost, and said so"
+    cases.append((f"{case}: a get of the chunk it held", seen, want))
     got, taken = await outcome(lambda: receiver.get(*edge, kept))
     seen = ROUND_TRIP if got == "ok" and taken is not None and same(payload, taken[0]) else f"{got}"
     cases.append((f"{case}: a put and a get after it", seen, ROUND_TRIP))

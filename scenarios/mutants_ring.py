@@ -324,3 +324,19 @@ _unlink_mem_ring, _unlink_posix_ring = MemoryStore.unlink_ring, PosixStore.unlin
 def old_close_removes_successor_ring() -> Iterator[Patch]:
     yield Patch(MemoryStore, "unlink_ring", lambda self, edge, only=None: _unlink_mem_ring(self, edge))
     yield Patch(PosixStore, "unlink_ring", lambda self, edge, only=None: _unlink_posix_ring(self, edge))
+
+
+@mutant(
+    "lost_ring_chunks_left_silent",
+    summary="a producer that drops a ring a stray write broke forgets the unread chunks it held without marking "
+    "them lost: their reader finds nothing, and their request waits for its input deadline",
+    issue=RING_ISSUE,
+    scenarios=("hostile_keys_and_payloads",),
+    expect=("bad-input-refused",),
+    store="ring",
+)
+def lost_ring_chunks_left_silent() -> Iterator[Patch]:
+    def unread_on_retired(ring: Ring, key: str, pos: int) -> bool:
+        return False
+
+    yield Patch(ShmConnector, "_unread_on_retired", staticmethod(unread_on_retired))

@@ -184,6 +184,9 @@ async def test_a_corrupt_ring_is_retired_and_the_edge_goes_on_with_a_new_one(sto
     assert await consumer.get("1", "2", "R_1_1") is None  # lost with the ring, not raised
     await put(producer, "R_1_2", chunk(2))  # on a new ring
     assert (await take(consumer, "R_1_2"))["i"] == 2
+    for key in ("R_1_0", "R_1_1"):  # each lost chunk's get says so now, not at its deadline
+        with pytest.raises(CorruptChunk, match=f"{key}: its producer lost it: its frame went with the corrupt ring"):
+            await consumer.get("1", "2", key)
     assert producer.health()["ring_puts"] == 3
     await producer.cleanup_prefix("R_1_")
     await close(producer, consumer)

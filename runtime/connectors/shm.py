@@ -43,7 +43,15 @@ from runtime.connectors.keys import InvalidKeyError, validate_key, validate_stag
 from runtime.connectors.ring import Ring, RingSettings, locked
 from runtime.connectors.stores import LockFile, Segment, SparseSegment, Store, StoreError
 from runtime.connectors.wakeup import Wakeups
-from runtime.connectors.wire import BufferIO, EncodedFrame, FrameDecoder, FrameIO, WireDecodeError, WireEncodeError
+from runtime.connectors.wire import (
+    BufferIO,
+    EncodedFrame,
+    FrameDecoder,
+    FrameIO,
+    LostChunk,
+    WireDecodeError,
+    WireEncodeError,
+)
 from runtime.kernel import current_kernel, wait_until
 
 log = logging.getLogger(__name__)
@@ -289,26 +297,82 @@ class ShmConnector:
         ring = self._send_rings[edge] = Ring.made(memory, self.store.owner())
         return ring
 
-    def _drop_send_ring(self, edge: str, ring: Ring) -> None:
-        """Forget a retired ring of ours, and the keys whose frames it held; remove its name."""
+    def _drop_send_ring(self, edge: str, ring: Ring) -> set[str]:
+        """Forget a retired ring of ours, and the keys whose frames it held; remove its name.
+        Each key still unread there will never be read: it is marked lost (the keys returned)."""
         del self._send_rings[edge]
+        lost: set[str] = set()
         for key in [key for key, (e, _) in self._ring_keys.items() if e == edge]:
-            del self._ring_keys[key]
+            _, pos = self._ring_keys.pop(key)
+            if self._unread_on_retired(ring, key, pos):
+                self._mark_lost(key, f"its frame went with the corrupt ring of {edge}")
+                lost.add(key)
         try:
             self.store.unlink_ring(edge, only=ring.memory)
         except StoreError as e:
             log.warning("could not remove the ring %s: %s", edge, e)
         ring.close()
+        return lost
 
-    def _retire_corrupt(self, ring: Ring, edge: str, error: rings.RingCorrupt) -> None:
-        """``ring``'s bytes are not a ring's: retired (see :mod:`runtime.connectors.ring`)."""
+    @staticmethod
+    def _frame_unread(ring: Ring, key: str, pos: int) -> bool:
+        """Whether ``key``'s frame at ``pos`` is still being written or unread (raises
+        :class:`~runtime.connectors.ring.RingCorrupt` if the ring's bytes cannot tell)."""
+        frame = ring.frame(pos)  # (None: taken and released already, by now)
+        return frame is not None and frame.key == key and frame.state in (rings.WRITING, rings.READY)
+
+    @classmethod
+    def _unread_on_retired(cls, ring: Ring, key: str, pos: int) -> bool:
+        """Whether ``key``'s frame on a retired ring was never taken: it never will be (a reader
+        leaves a retired ring). A ring whose bytes cannot tell counts it unread."""
+        try:
+            return cls._frame_unread(ring, key, pos)
+        except rings.RingCorrupt:
+            return True
+
+    def _mark_lost(self, key: str, reason: str) -> None:
+        """Put, under ``key``, a committed frame that says its payload was lost (a segment): the
+        reader's get of it raises :class:`CorruptChunk` naming the reason, so its request fails
+        now, not at its input deadline. The key stays tracked (a cleanup, or the reader, removes
+        the segment). Never waits: if the key's lock file is held, nothing is put."""
+        current_kernel().note("shm.lost", key=key)
+        log.error("the chunk %s is lost: %s", key, reason)
+        frame = EncodedFrame(LostChunk(reason))
+        try:
+            lock = self.store.open_lock(key, create=True)
+        except StoreError as e:
+            log.warning("%s is not marked lost: %s", key, e)
+            return
+        assert lock is not None
+        created = False
+        try:
+            if not (lock.try_acquire() and lock.is_current()):
+                log.warning("%s is not marked lost: its lock file is held", key)
+                return
+            segment = self.store.create_segment(key)
+            created = True
+            try:
+                segment.reserve(frame.size)
+                frame.write_to(segment)
+            finally:
+                segment.close()
+        except StoreError as e:
+            log.warning("%s is not marked lost: %s", key, e)
+            self._roll_back(key, created=created)
+        finally:
+            lock.close()
+
+    def _retire_corrupt(self, ring: Ring, edge: str, error: rings.RingCorrupt) -> set[str]:
+        """``ring``'s bytes are not a ring's: retired (see :mod:`runtime.connectors.ring`). If
+        it is ours, it is dropped: the keys marked lost."""
         log.error("the ring of %s is corrupt and retired (the chunks it held are lost): %s", edge, error)
         current_kernel().note("ring.corrupt", edge=edge)
         ring.retire()
-        if self._send_rings.get(edge) is ring:
-            # Ours: nothing on it is read any more, so its name goes now, not at the edge's next
-            # put (there may be none).
-            self._drop_send_ring(edge, ring)
+        if self._send_rings.get(edge) is not ring:
+            return set()
+        # Ours: nothing on it is read any more, so its name goes now, not at the edge's next put
+        # (there may be none).
+        return self._drop_send_ring(edge, ring)
 
     def _cancel_ring_frame(self, key: str) -> bool:
         """Cancel the ring frame of ``key`` this connector put, if it is still being written or
@@ -732,21 +796,20 @@ class ShmConnector:
                 self._remove_idle_lock(key)
 
     def _on_ring(self, key: str) -> bool:
-        """Whether ``key``'s ring frame is still unread; forgets it if not. (Read without the
-        lock: only this process reuses the ring's space, and a frame taken meanwhile is simply
-        looked at again by the next sweep.)"""
+        """Whether ``key`` is still unread: its ring frame, or the frame marking it lost if its
+        ring went; forgets the frame if not. (Read without the lock: only this process reuses
+        the ring's space, and a frame taken meanwhile is simply looked at again by the next
+        sweep.)"""
         edge, pos = self._ring_keys[key]
         ring = self._send_rings[edge]
         try:
             if ring.retired:  # its reader found it corrupt
-                self._drop_send_ring(edge, ring)
-            else:
-                frame = ring.frame(pos)  # (None: taken and released already, by now)
-                if frame is not None and frame.key == key and frame.state in (rings.WRITING, rings.READY):
-                    return True
+                return key in self._drop_send_ring(edge, ring)
+            if self._frame_unread(ring, key, pos):
+                return True
         except rings.RingCorrupt as e:
-            self._retire_corrupt(ring, edge, e)
-        self._ring_keys.pop(key, None)  # (gone already if the ring went)
+            return key in self._retire_corrupt(ring, edge, e)
+        del self._ring_keys[key]
         return False
 
     # -- wakeups, health, residue, close -----------------------------------------------------

@@ -33,6 +33,7 @@ make the decoder allocate more than the frame's own size. Malformed input raises
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import mmap
@@ -66,6 +67,16 @@ def new_digest() -> xxhash.xxh3_64:
 ALIGN = 64
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
+EXT_LOST = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LostChunk:
+    """What a producer puts under a key whose payload it lost: no payload decodes from it, and a
+    reader that meets it learns why (:class:`WireDecodeError`)."""
+
+    reason: str
+
 
 #: Raw bytes.
 Buffer = bytes | bytearray | memoryview | mmap.mmap | np.ndarray
@@ -204,6 +215,8 @@ class EncodedFrame:
         return offset
 
     def _default(self, obj: Any) -> msgpack.ExtType:
+        if isinstance(obj, LostChunk):
+            return msgpack.ExtType(EXT_LOST, obj.reason.encode())
         if isinstance(obj, torch.Tensor):
             name = str(obj.dtype).removeprefix("torch.")
             if name not in TORCH_DTYPES:
@@ -298,6 +311,8 @@ class _Refs:
         self.refs: list[_Ref] = []
 
     def ext_hook(self, code: int, data: bytes) -> object:
+        if code == EXT_LOST:
+            raise WireDecodeError(f"its producer lost it: {data.decode(errors='replace')}")
         try:
             meta = msgpack.unpackb(data)
         except Exception as e:
