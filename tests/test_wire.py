@@ -8,6 +8,7 @@ import gc
 import math
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -353,6 +354,16 @@ def test_unsupported_objects_raise_wire_encode_error(name: str) -> None:
         EncodedFrame(obj)
     with pytest.raises(WireEncodeError):
         encode(obj)
+
+
+@pytest.mark.parametrize(
+    "number", [lambda: 1 << 64, lambda: -(1 << 63) - 1, lambda: 10**6000], ids=["2^64", "-2^63-1", "10^6000"]
+)
+def test_an_integer_past_64_bits_is_refused_saying_so(number: Callable[[], int]) -> None:
+    """Said so, with its size (an integer too long for ``str`` is one too: 10^6000)."""
+    value = number()
+    with pytest.raises(WireEncodeError, match=f"an integer of {value.bit_length()} bits: the wire carries 64"):
+        encode({"meta": [value]})
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

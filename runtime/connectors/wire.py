@@ -230,6 +230,8 @@ class EncodedFrame:
             data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
             meta = [obj.dtype.str, list(obj.shape), self._reserve(data), data.nbytes]
             return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(meta))
+        if isinstance(obj, int):  # (msgpack asks only for the integers it cannot carry)
+            raise WireEncodeError(f"cannot encode an integer of {obj.bit_length()} bits: the wire carries 64")
         raise WireEncodeError(f"cannot encode object of type {type(obj).__name__}")
 
     def write_body(self, io: FrameIO) -> None:
