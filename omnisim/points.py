@@ -48,6 +48,10 @@ POINTS: dict[str, tuple[str, str]] = {
     "ring.unavailable": ("note", "an edge's ring could not be made: its puts take segments for now [edge, error]"),
     "ring.refused": ("note", "a reader will not read a ring: retired, malformed, or not its producer's [edge]"),
     "ring.corrupt": ("note", "a ring's bytes are not a ring's (a stray write): whoever found it retired it [edge]"),
+    "shm.lost": (
+        "note",
+        "a chunk that went with a ring its producer dropped unread is marked lost under its key (its get says so) [key]",
+    ),
     "adapter.save_async": ("point", "the scheduler queued (or had refused) one chunk [ext, req, finished, accepted]"),
     "adapter.save_async.rejected": ("note", "work for an id whose previous generation drains was refused [ext, req]"),
     "adapter.send.begin": ("point", "the save task takes a chunk task of a generation [ext, gen, finished]"),
