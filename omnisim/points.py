@@ -50,7 +50,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "ring.corrupt": ("note", "a ring's bytes are not a ring's (a stray write): whoever found it retired it [edge]"),
     "shm.lost": (
         "note",
-        "a chunk that went with a ring its producer dropped unread is marked lost under its key (its get says so) [key]",
+        "a chunk that went unread with a ring its producer dropped is marked lost (its get says so) [key]",
     ),
     "adapter.save_async": ("point", "the scheduler queued (or had refused) one chunk [ext, req, finished, accepted]"),
     "adapter.save_async.rejected": ("note", "work for an id whose previous generation drains was refused [ext, req]"),

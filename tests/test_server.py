@@ -117,7 +117,7 @@ def test_chat_completions_give_text_and_a_playable_wav(client: openai.OpenAI) ->
     assert answer.usage is not None and answer.usage.total_tokens > 0
 
 
-def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage(client: openai.OpenAI) -> None:
+def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage_when_asked(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
             model="qwen3_omni",
@@ -125,6 +125,7 @@ def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage(client: op
             modalities=["text", "audio"],
             audio={"format": "pcm16"},
             stream=True,
+            stream_options={"include_usage": True},
         )
     )
     modality = [(c.model_extra or {}).get("modality") for c in chunks]
@@ -143,6 +144,17 @@ def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage(client: op
     assert elapsed == sorted(elapsed) and elapsed[0] >= 0
     heard = sum(m.get("audio_s", 0) for m in metrics)
     assert abs(heard - len(whole) / 2 / RATE) < 1e-3
+
+
+def test_a_streamed_chat_has_a_usage_chunk_only_when_asked(client: openai.OpenAI) -> None:
+    """As OpenAI's and upstream's: a client that reads ``chunk.choices[0]`` of every chunk of a
+    plain stream (most do) never meets a usage-only chunk with no choices."""
+    stream = client.chat.completions.create(
+        model="qwen3_omni", messages=[{"role": "user", "content": TEXT}], modalities=["text"], stream=True
+    )
+    chunks = list(stream)
+    assert all(c.choices and c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == TEXT
 
 
 def _speech_pcm_alone(client: openai.OpenAI) -> bytes:
@@ -234,6 +246,13 @@ def test_a_websocket_session_returns_audio_and_word_timestamps_covering_it(serve
         stamps = messages[-3]["timestamps"]
         assert [s["word"] for s in stamps] == TEXT.split()  # type: ignore[union-attr]
         assert abs(stamps[-1]["end_ms"] - len(audio) / 2 / RATE * 1000) < 1  # type: ignore[index]
+        assert all(isinstance(s[k], int) for s in stamps for k in ("start_ms", "end_ms"))  # type: ignore[union-attr]
+        # Upstream's chunk fields (its client reads them): ids in order, spans that tile the audio.
+        chunks = [m for m in messages if m["type"] == "audio.chunk"]
+        assert [c["chunk_id"] for c in chunks[:-1]] == list(range(len(chunks) - 1))
+        assert chunks[0]["chunk_start_ms"] == 0 and all(c["sample_rate"] == RATE for c in chunks)
+        assert all(a["chunk_end_ms"] == b["chunk_start_ms"] for a, b in itertools.pairwise(chunks[:-1]))
+        assert chunks[-1]["chunk_end_ms"] == round(len(audio) / 2 / RATE * 1000) == chunks[-2]["chunk_end_ms"]
         assert messages[-2]["total_bytes"] == len(audio) and messages[-2]["error"] is False
         # The config is sticky; a second utterance on the same connection, as binary frames.
         ws.send(json.dumps({"type": "session.config", "word_timestamps": False}))
@@ -273,7 +292,17 @@ def test_health_and_metrics(server: Running) -> None:
         ("/v1/chat/completions", b"[1, 2]", 400),
         ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
-        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "x": 1}).encode(), 400),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(),
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}).encode(),
+            400,
+        ),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "task_type": "Clone"}).encode(), 400),
         (
             "/v1/chat/completions",
             json.dumps({"messages": [{"role": "user", "content": "hi"}], "modalities": ["video"]}).encode(),
@@ -311,6 +340,32 @@ def test_bad_input_gets_a_4xx_in_openai_shape(server: Running, path: str, body: 
     assert response.status_code == status
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_upstream_clients_fields_are_accepted(server: Running) -> None:
+    """What upstream vLLM-Omni's own clients send (its examples, its bench with ``--ignore-eos``):
+    fields of its other models are ignored, as upstream's request models ignore them; ``speaker``
+    and ``voice: {"id"}`` name the voice; ``pcm`` is a chat audio format."""
+    chat = {
+        "messages": [{"role": "user", "content": TEXT}],
+        "modalities": ["audio"],
+        "audio": {"format": "pcm", "voice": "Ethan"},
+        "ignore_eos": True,
+        "top_k": 20,
+        "mm_processor_kwargs": {"use_audio_in_video": False},
+        "sampling_params_list": [{"temperature": 0.4}],
+    }
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert reply.status_code == 200, reply.text
+    whole = _speech(server, response_format="pcm").content
+    assert base64.b64decode(reply.json()["choices"][0]["message"]["audio"]["data"]) == whole
+    for extra in (
+        {"speaker": "Ethan", "task_type": "CustomVoice", "initial_codec_chunk_frames": 0},
+        {"voice": {"id": "Ethan"}, "ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "hi", "seed": 3},
+        {"x_vector_only_mode": True, "non_streaming_mode": False, "extra_params": {"a": 1}},
+    ):
+        reply = _speech(server, response_format="pcm", **extra)
+        assert reply.status_code == 200 and reply.content == whole, (extra, reply.text)
 
 
 def _post_ascii(server: Running, path: str, body: dict[str, object]) -> httpx.Response:
@@ -397,18 +452,37 @@ def test_a_websocket_takes_the_next_utterance_while_one_is_spoken(server: Runnin
             ws.recv(timeout=30)
 
 
-def test_a_session_close_mid_utterance_aborts_it_and_closes_normally(server: Running) -> None:
+def test_a_session_close_right_after_input_done_closes_once_the_utterance_is_spoken(server: Running) -> None:
+    """As upstream's server takes a session's messages, in order (its streaming client sends
+    ``input.done`` and ``session.close`` back to back): nothing is aborted."""
     aborts = _metric(server, "omnisim_aborts_total")
+    received: list[str | bytes] = []
     with connect(server.ws) as ws:
-        ws.send(json.dumps({"type": "input.text", "text": "word " * 3000}))  # many seconds of audio
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
         ws.send(json.dumps({"type": "input.done"}))
-        assert json.loads(ws.recv(timeout=30))["type"] == "audio.start"
         ws.send(json.dumps({"type": "session.close"}))
         with pytest.raises(ConnectionClosedOK):
             while True:
-                ws.recv(timeout=10)
+                received.append(ws.recv(timeout=30))
     assert ws.close_code == 1000
-    assert _metric(server, "omnisim_aborts_total") == aborts + 1
+    events = [json.loads(m)["type"] if isinstance(m, str) else "pcm" for m in received]
+    assert events == ["audio.start", "pcm", "audio.done", "session.done"]
+    assert received[1] == _speech(server, response_format="pcm").content
+    assert _metric(server, "omnisim_aborts_total") == aborts
+
+
+def test_a_session_in_wav_sends_each_utterance_as_a_wav_file(server: Running) -> None:
+    with connect(server.ws) as ws:
+        ws.send(json.dumps({"type": "session.config", "response_format": "wav", "speaker": "Ethan"}))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start = json.loads(ws.recv(timeout=30))
+        utterance = ws.recv(timeout=30)
+    assert start["type"] == "audio.start" and start["format"] == "wav"
+    assert isinstance(utterance, bytes)
+    whole = _speech(server, response_format="pcm").content
+    with wave.open(io.BytesIO(utterance)) as w:
+        assert w.getframerate() == RATE and w.readframes(w.getnframes()) == whole
 
 
 def test_a_whole_response_is_aborted_when_its_client_goes(server: Running) -> None:

@@ -215,11 +215,12 @@ class Server:
             stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in stamps]
         headers = _usage_headers(speech.text, audio)
         if speech.word_timestamps:
-            value = json.dumps([t._asdict() for t in stamps], separators=(",", ":"))
+            value = json.dumps(_timestamps(stamps), separators=(",", ":"))
             if len(value) <= WORD_TIMESTAMPS_HEADER_CAP:
                 headers["X-Word-Timestamps"] = value
             else:
-                headers["X-Word-Timestamps-Omitted"] = f"{len(value)} bytes is over the {WORD_TIMESTAMPS_HEADER_CAP}"
+                omitted = f"oversize; bytes={len(value)}; limit={WORD_TIMESTAMPS_HEADER_CAP}"
+                headers["X-Word-Timestamps-Omitted"] = omitted
         media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
         return Response(encode(audio, speech.response_format, SAMPLE_RATE), media_type=media, headers=headers)
 
@@ -229,8 +230,8 @@ class Server:
         """``session.config`` (sticky), ``input.text`` (buffered), ``input.done`` (speak the
         buffer, keep the connection), ``session.close``. Messages that arrive while an utterance
         is spoken wait their turn, as on upstream's server (a client may stream the next
-        sentence's text meanwhile); a client that goes away, or sends ``session.close``,
-        mid-utterance aborts it at once."""
+        sentence's text meanwhile; a ``session.close`` sent right after ``input.done`` closes
+        once the utterance was spoken); a client that goes away mid-utterance aborts it at once."""
         await ws.accept()
         config = SessionConfig()
         buffered: list[str] = []
@@ -294,26 +295,34 @@ class Server:
             raise ApiError(str(e), param="text") from None
         where = {"utterance_index": utterance, "sentence_index": 0}
         await ws.send_json(
-            {"type": "audio.start", **where, "sentence_text": text, "format": "pcm", "sample_rate": SAMPLE_RATE}
+            {
+                "type": "audio.start",
+                **where,
+                "sentence_text": text,
+                "format": config.response_format,
+                "sample_rate": SAMPLE_RATE,
+                "word_timestamps": config.word_timestamps,
+            }
         )
         sent = 0
         held: list[bytes] = []
         stamps: list[WordTimestamp] = []
         error: str | None = None
-        ended_by: dict[str, Any] | None = None  # {} for a disconnect, else the session.close
+        gone = False
+        chunks = 0
         outputs = self._outputs(
             text, ("audio",), stream=True, word_timestamps=config.word_timestamps, rid=_request_id("ws")
         )
         async with anyio.create_task_group() as watch:
 
             async def watch_for_the_end() -> None:
-                nonlocal ended_by
-                while (message := await _next_message(ws)) is not None and message.get("type") != "session.close":
+                nonlocal gone
+                while (message := await _next_message(ws)) is not None:
                     if len(inbox) < MAX_QUEUED and _queued_chars(inbox) + _queued_chars([message]) <= MAX_QUEUED_CHARS:
                         inbox.append(message)
                     elif not inbox or inbox[-1] is not _DROPPED:
                         inbox.append(_DROPPED)  # (said once the utterance ended, in order)
-                ended_by = message or {}
+                gone = True
                 watch.cancel_scope.cancel()
 
             watch.start_soon(watch_for_the_end)
@@ -325,24 +334,30 @@ class Server:
                         stamps = out.data
                     elif out.kind is OutputType.AUDIO:
                         data = pcm16(out.data)
-                        sent += len(data)
                         if config.word_timestamps:
-                            chunk = {"type": "audio.chunk", **where, "audio_b64": base64.b64encode(data).decode()}
+                            chunk = {
+                                "type": "audio.chunk",
+                                **where,
+                                **_chunk_span(chunks, sent, len(data)),
+                                "audio_b64": base64.b64encode(data).decode(),
+                            }
                             await ws.send_json(chunk | {"timestamps": None})
+                            chunks += 1
                         elif config.stream_audio:
                             await ws.send_bytes(data)
                         else:
                             held.append(data)
+                        sent += len(data)
             watch.cancel_scope.cancel()
-        if ended_by is not None:
-            if ended_by:  # a session.close: a normal closure
-                await ws.close()
+        if gone:
             return False
         if held:
-            await ws.send_bytes(b"".join(held))
+            audio = b"".join(held)
+            header = wav_header(SAMPLE_RATE, len(audio)) if config.response_format == "wav" else b""
+            await ws.send_bytes(header + audio)
         if config.word_timestamps:
-            final = [t._asdict() for t in stamps]
-            await ws.send_json({"type": "audio.chunk", **where, "audio_b64": "", "timestamps": final})
+            final = {"type": "audio.chunk", **where, **_chunk_span(chunks, 0, sent), "audio_b64": ""}
+            await ws.send_json(final | {"timestamps": _timestamps(stamps)})
         done = {"type": "audio.done", **where, "total_bytes": sent, "error": error is not None}
         await ws.send_json(done | ({"message": error} if error else {}))
         await ws.send_json({"type": "session.done", "utterance_index": utterance, "total_sentences": 1})
@@ -559,6 +574,22 @@ async def _json_body(request: Request) -> object:
         return json.loads(body)
     except (ValueError, RecursionError) as e:  # (not JSON or UTF-8; an integer too long, nesting too deep)
         raise ApiError(f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _chunk_span(chunk_id: int, start_byte: int, nbytes: int) -> dict[str, int]:
+    """Where an ``audio.chunk`` of 16-bit samples lies in its utterance's audio (upstream's fields)."""
+    ms_per_byte = 1000 / (2 * SAMPLE_RATE)
+    return {
+        "chunk_id": chunk_id,
+        "chunk_start_ms": round(start_byte * ms_per_byte),
+        "chunk_end_ms": round((start_byte + nbytes) * ms_per_byte),
+        "sample_rate": SAMPLE_RATE,
+    }
+
+
+def _timestamps(stamps: Iterable[WordTimestamp]) -> list[dict[str, Any]]:
+    """Word timestamps as upstream sends them: whole milliseconds."""
+    return [{"word": t.word, "start_ms": round(t.start_ms), "end_ms": round(t.end_ms)} for t in stamps]
 
 
 def _wire_format(audio_format: str) -> str:

@@ -5,11 +5,14 @@ shape and a 4xx status, never a 500 and never a half-started request."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.serving import RequestRejected, check_input_text
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -35,30 +38,55 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-#: The chat completions fields OpenAI clients send that this pipeline has no use for: accepted
-#: (a client setting ``temperature`` must not fail), and without effect.
-_CHAT_IGNORED = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "max_tokens",
-        "max_completion_tokens",
-        "seed",
-        "user",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "top_logprobs",
-        "metadata",
-        "store",
-        "service_tier",
-        "parallel_tool_calls",
-        "reasoning_effort",
-    }
-)
-CHAT_AUDIO_FORMATS = ("wav", "pcm16")
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_object(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+#: Sampling and bookkeeping fields OpenAI's and vLLM's clients send that this pipeline has no use
+#: for: accepted (a client setting ``temperature`` must not fail) with their types checked, as
+#: upstream checks them, and without effect.
+_CHAT_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "min_p": (_is_number, "a number"),
+    "max_tokens": (_is_int, "an integer"),
+    "max_completion_tokens": (_is_int, "an integer"),
+    "min_tokens": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    "user": (_is_str, "a string"),
+    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(_is_str, v))), "a string or strings"),
+    "presence_penalty": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"),
+    "repetition_penalty": (_is_number, "a number"),
+    "ignore_eos": (_is_bool, "a boolean"),
+    "logit_bias": (_is_object, "an object"),
+    "logprobs": (_is_bool, "a boolean"),
+    "top_logprobs": (_is_int, "an integer"),
+    "metadata": (_is_object, "an object"),
+    "store": (_is_bool, "a boolean"),
+    "service_tier": (_is_str, "a string"),
+    "parallel_tool_calls": (_is_bool, "a boolean"),
+    "reasoning_effort": (_is_str, "a string"),
+}
+#: ``pcm`` is upstream's other name for ``pcm16``.
+CHAT_AUDIO_FORMATS = ("wav", "pcm16", "pcm")
 SPEECH_FORMATS = ("wav", "pcm")
 #: Formats upstream serves that this build does not encode: a clear 400, not a surprise.
 _UNENCODED = ("mp3", "flac", "opus", "aac")
@@ -111,22 +139,13 @@ def _field(body: Mapping[str, Any], name: str, check: Callable[[Any], bool], wan
     return value
 
 
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _no_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
+def _ignore_unknown(body: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    """Fields this server does not know are ignored, as upstream's request models ignore them
+    (its clients send model-specific ones: ``ref_audio``, ``mm_processor_kwargs``, …); the log
+    names them, as vLLM's does."""
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ApiError(f"unknown field '{unknown[0]}'", param=unknown[0])
+        log.warning("%s: ignored the fields it does not know: %s", where, ", ".join(map(repr, unknown)))
 
 
 def _text(text: object, param: str) -> str:
@@ -188,7 +207,11 @@ def _refuse_what_is_not_built(body: Mapping[str, Any]) -> None:
 
 def parse_chat(raw: object) -> ChatRequest:
     body = _object(raw)
-    _no_unknown(body, _CHAT_FIELDS | _CHAT_IGNORED)
+    _ignore_unknown(body, _CHAT_FIELDS | set(_CHAT_IGNORED), "a chat completion")
+    for name, (check, want) in _CHAT_IGNORED.items():
+        _field(body, name, check, want, None)
+    if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     _refuse_what_is_not_built(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -199,8 +222,8 @@ def parse_chat(raw: object) -> ChatRequest:
     modalities = _field(body, "modalities", lambda v: isinstance(v, list), "an array", ["text", "audio"])
     if not modalities or not all(m in ("text", "audio") for m in modalities) or len(set(modalities)) != len(modalities):
         raise ApiError(f"'modalities' must be some of ['text', 'audio'], got {modalities!r}", param="modalities")
-    audio = _field(body, "audio", lambda v: isinstance(v, dict), "an object", {})
-    _no_unknown(audio, frozenset({"format", "voice"}))
+    audio = _field(body, "audio", _is_object, "an object", {})
+    _ignore_unknown(audio, frozenset({"format", "voice"}), "a chat completion's audio")
     audio_format = _field(audio, "format", _is_str, "a string", "wav")
     if audio_format not in CHAT_AUDIO_FORMATS:
         raise ApiError(f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}", param="audio.format")
@@ -212,7 +235,8 @@ def parse_chat(raw: object) -> ChatRequest:
         modalities=tuple(modalities),
         audio_format=audio_format,
         stream=_field(body, "stream", _is_bool, "a boolean", False),
-        include_usage=_field(options, "include_usage", _is_bool, "a boolean", True),
+        # (OpenAI's and upstream's default: a stream has no usage-only chunk unless asked)
+        include_usage=_field(options, "include_usage", _is_bool, "a boolean", False),
         model=_field(body, "model", _is_str, "a string", None),
     )
 
@@ -225,19 +249,29 @@ def _is_count(value: object) -> bool:
 #: Upstream's extensions of the speech request: accepted with their types checked; the toy
 #: pipeline has one voice, one language and its own chunking, so they change nothing here.
 _SPEECH_EXTENSIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "task_type": (_is_str, "a string"),
+    "task_type": (lambda v: v in ("CustomVoice", "VoiceDesign", "Base"), "'CustomVoice', 'VoiceDesign' or 'Base'"),
     "language": (_is_str, "a string"),
     "instructions": (_is_str, "a string"),
-    "initial_codec_chunk_frames": (_is_count, "a positive integer"),
+    "initial_codec_chunk_frames": (lambda v: _is_int(v) and v >= 0, "an integer of at least 0 (0: the default)"),
     "max_new_tokens": (_is_count, "a positive integer"),
     "sample_rate": (lambda v: v == 24000, "24000 (the model's rate)"),
 }
 
 
+def _voice(body: Mapping[str, Any]) -> str:
+    """``voice`` (a name, or upstream's ``{"id": name}``), or upstream's older ``speaker``."""
+    voice = body.get("voice")
+    if isinstance(voice, dict):
+        return _field(voice, "id", _is_str, "a string", "default")
+    if voice is None:
+        return _field(body, "speaker", _is_str, "a string", "default")
+    return _field(body, "voice", _is_str, "a string or an object with an 'id'", "default")
+
+
 def parse_speech(raw: object) -> SpeechRequest:
     body = _object(raw)
-    known = {"model", "input", "voice", "response_format", "speed", "stream", "stream_format", "word_timestamps"}
-    _no_unknown(body, frozenset(known | set(_SPEECH_EXTENSIONS)))
+    known = {"model", "input", "voice", "speaker", "response_format", "speed", "stream", "stream_format"}
+    _ignore_unknown(body, frozenset(known | {"word_timestamps"} | set(_SPEECH_EXTENSIONS)), "a speech request")
     if "input" not in body:
         raise ApiError("'input' is required: the text to speak", param="input")
     text = _text(body["input"], "input")
@@ -260,7 +294,7 @@ def parse_speech(raw: object) -> SpeechRequest:
         _field(body, name, check, want, None)
     return SpeechRequest(
         text=text,
-        voice=_field(body, "voice", _is_str, "a string", "default"),
+        voice=_voice(body),
         response_format=response_format,
         speed=speed,
         stream=streaming,
@@ -276,6 +310,7 @@ class SessionConfig:
     """A WebSocket session's settings; sticky across utterances until the next ``session.config``."""
 
     voice: str = "default"
+    #: ``pcm``: raw 16-bit samples; ``wav``: each utterance's one binary frame is a WAV file.
     response_format: str = "pcm"
     #: Each decoded chunk as its own binary frame; off (upstream's default): one frame per utterance.
     stream_audio: bool = False
@@ -283,18 +318,25 @@ class SessionConfig:
 
 
 def parse_session_config(raw: Mapping[str, Any]) -> SessionConfig:
-    known = {"type", "model", "voice", "response_format", "stream_audio", "word_timestamps", "speed"}
-    _no_unknown(raw, frozenset(known | set(_SPEECH_EXTENSIONS)))
+    known = {"type", "model", "voice", "speaker", "response_format", "stream_audio", "word_timestamps", "speed"}
+    _ignore_unknown(raw, frozenset(known | set(_SPEECH_EXTENSIONS)), "a session.config")
     response_format = _field(raw, "response_format", _is_str, "a string", "pcm")
-    if response_format != "pcm":
-        raise ApiError("the WebSocket sends raw PCM: response_format must be 'pcm'", param="response_format")
+    stream_audio = _field(raw, "stream_audio", _is_bool, "a boolean", False)
+    word_timestamps = _field(raw, "word_timestamps", _is_bool, "a boolean", False)
+    if response_format not in SPEECH_FORMATS:
+        raise ApiError(f"response_format must be one of {', '.join(SPEECH_FORMATS)}", param="response_format")
+    if response_format == "wav" and (stream_audio or word_timestamps):
+        raise ApiError(
+            "streamed audio (stream_audio, word_timestamps) is raw PCM: response_format must be 'pcm'",
+            param="response_format",
+        )
     if _field(raw, "speed", _is_number, "a number", 1.0) != 1.0:
         raise ApiError("a streamed session plays at speed 1.0 only", param="speed")
     for name, (check, want) in _SPEECH_EXTENSIONS.items():
         _field(raw, name, check, want, None)
     return SessionConfig(
-        voice=_field(raw, "voice", _is_str, "a string", "default"),
+        voice=_voice(raw),
         response_format=response_format,
-        stream_audio=_field(raw, "stream_audio", _is_bool, "a boolean", False),
-        word_timestamps=_field(raw, "word_timestamps", _is_bool, "a boolean", False),
+        stream_audio=stream_audio,
+        word_timestamps=word_timestamps,
     )
