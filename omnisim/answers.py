@@ -80,7 +80,7 @@ class Answers:
 
         async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
             sent_on.add(edge_name(from_stage, to_stage))
-            with _raising_only(f"the put of {put_key}", InvalidKeyError):
+            with _raising_only(f"the put of {put_key}"):  # (a put never raises: spec §2.1)
                 result = await put(from_stage, to_stage, put_key, data)
             _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
             return result
@@ -192,8 +192,8 @@ def _raising_only(what: str, *allowed: type[Exception]) -> Iterator[None]:
     except Exception as e:
         if isinstance(e, allowed) or hasattr(e, "injected_fault"):  # (a fault of the world's: see Fault.exception)
             raise
-        names = " or ".join(kind.__name__ for kind in allowed)
-        _check(what, f"raised {type(e).__name__}: {e}", f"an answer, or {names}")
+        names = "".join(f", or {kind.__name__}" for kind in allowed)
+        _check(what, f"raised {type(e).__name__}: {e}", f"an answer{names}")
         raise
 
 

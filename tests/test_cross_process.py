@@ -23,6 +23,7 @@ from runtime.connectors.posix_store import SHM_DIR, PosixStore
 from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import SPARE_MIN_BYTES
 from runtime.connectors.wakeup import FifoWakeups
+from runtime.real_kernel import RealKernel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT_S = 60.0
@@ -336,6 +337,40 @@ async def test_fifo_wakeup_in_process_and_no_spin() -> None:
     finally:
         receiver.close()
         sender.close()
+    assert names_of(namespace) == []
+
+
+async def test_a_wait_that_outlives_its_close_reads_nothing_from_a_reused_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wakeups close while a wait is in flight, and the descriptor's number goes to another
+    file (found by upstream's own connector tests): the wait ends, said "no change", having read
+    nothing of that file."""
+    namespace = posix_store.new_namespace()
+    receiver = FifoWakeups(namespace)
+    gen = receiver.generation("1")
+    assert gen is not None
+    read_fd = receiver._receivers["1"].read_fd
+    other = tmp_path / "unrelated"
+    other.write_bytes(b"untouched")
+    reused: list[int] = []
+
+    async def closed_while_waiting(*args: object, **kwargs: object) -> bool:
+        receiver.close()
+        fd = os.open(other, os.O_RDONLY)
+        if fd != read_fd:
+            os.dup2(fd, read_fd)
+            os.close(fd)
+        reused.append(read_fd)
+        return True
+
+    monkeypatch.setattr(RealKernel, "wait_readable", closed_while_waiting)
+    try:
+        assert await receiver.wait_for_change("1", gen, timeout=5) is False
+        assert os.lseek(read_fd, 0, os.SEEK_CUR) == 0
+    finally:
+        for fd in reused:
+            os.close(fd)
     assert names_of(namespace) == []
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -93,9 +96,12 @@ async def test_get_by_metadata_handle(store: Store) -> None:
     await put(conn, "B_0_0", "b")
     await put(conn, "C_0_0", "c")
     assert await conn.get("0", "1", "ignored", meta) == ("a", meta["size"])
-    got_b = await conn.get("0", "1", "ignored", {"get_key": "B_0_0"})
+    # Upstream's metadata of several keys, by key: the get's own entry is the one read.
+    many = {"B_0_0": {"shm": {"name": "B_0_0", "size": 1}}, "C_0_0": {"shm": {"name": "C_0_0", "size": 1}}}
+    got_b = await conn.get("0", "1", "B_0_0", many)
     assert got_b is not None and got_b[0] == "b"
-    for junk in (None, {}, {"source_host": "h", "source_port": 1}, {"shm": "nope"}):
+    junks = (None, {}, {"source_host": "h", "source_port": 1}, {"shm": "nope"}, {"shm": {"name": "../x"}})
+    for junk in (*junks, {"get_key": "A_0_0"}, {"C_0_0": 5}):
         await put(conn, "C_0_0", "c")
         got_c = await conn.get("0", "1", "C_0_0", junk)
         assert got_c is not None and got_c[0] == "c"
@@ -145,20 +151,36 @@ async def test_get_without_lock_file_returns_none(store: Store) -> None:
     assert residue(store) == ([], [])
 
 
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (WireDecodeError("injected"), "R_0_0: injected"),
+        # A decoder that breaks on the bytes some other way (upstream's own test of #4414) would
+        # break on them again: consumed as corrupt too, never left to fail every later get.
+        (ValueError("invalid payload"), "R_0_0: the decoder failed on it: ValueError: invalid payload"),
+    ],
+)
+@pytest.mark.parametrize("ring", [False, True])
 async def test_consumed_undecodable_payload_removes_lock_and_segment(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, monkeypatch: pytest.MonkeyPatch, error: Exception, said: str, ring: bool
 ) -> None:
-    conn = ShmConnector(store)
-    await put(conn, "R_0_0", {"x": 1})
+    producer = ShmConnector(store, stage_id=0, send_ring=RingSettings() if ring else None)
+    consumer = ShmConnector(store, stage_id=1, receive_ring=ring)
+    await put(producer, "R_0_0", {"x": 1})
+    assert producer.health()["ring_puts"] == ring
 
     def broken_finish(self: object, checksum: int) -> object:
-        raise WireDecodeError("injected")
+        raise error
 
     monkeypatch.setattr(shm_module.FrameDecoder, "finish", broken_finish)
-    with pytest.raises(CorruptChunk, match="R_0_0: injected"):
-        await conn.get("0", "1", "R_0_0")
+    with pytest.raises(CorruptChunk, match=re.escape(said)):
+        await consumer.get("0", "1", "R_0_0")
     assert residue(store) == ([], [])
-    assert await conn.get("0", "1", "R_0_0") is None
+    assert await consumer.get("0", "1", "R_0_0") is None
+    producer.reap_consumed()
+    assert pending(producer) == []
+    await producer.close()
+    await consumer.close()
 
 
 def _uncommitted(payload: object) -> bytes:
@@ -226,11 +248,13 @@ async def test_falsy_payload_removes_lock_file(store: Store, payload: object) ->
     assert residue(store) == ([], [])
 
 
-async def test_invalid_key_raises(store: Store) -> None:
+async def test_an_invalid_key_fails_a_put_and_raises_from_a_get_or_a_cleanup(store: Store) -> None:
+    """A put never raises (spec §2.1): it fails, saying why; a get or cleanup of a key that names
+    no chunk is refused with a clear error."""
     conn = ShmConnector(store)
     for key in ("a/b", "", "x" * 300, ".."):
-        with pytest.raises(InvalidKeyError):
-            await conn.put("0", "1", key, 1)
+        result = await conn.put("0", "1", key, 1)
+        assert not result.ok and "chunk key" in result.metadata["error"]  # type: ignore[index]
         with pytest.raises(InvalidKeyError):
             await conn.get("0", "1", key)
         with pytest.raises(InvalidKeyError):
@@ -511,17 +535,38 @@ async def test_a_put_in_flight_at_the_close_leaves_nothing(store: Store) -> None
     assert residue(store) == ([], []) and pending(conn) == []
 
 
-@pytest.mark.parametrize("stages", [(0, "1"), ("0", 1), (None, "1")])
-async def test_a_stage_that_is_not_a_string_is_refused_before_anything_is_stored(
+@pytest.mark.parametrize("stages", [(None, "1"), ("0", 1.0), (True, "1")])
+async def test_a_stage_neither_a_string_nor_an_int_is_refused_before_anything_is_stored(
     store: Store, stages: tuple[Any, Any]
 ) -> None:
     conn = ShmConnector(store, send_ring=RingSettings())
-    with pytest.raises(TypeError, match="_stage must be a str"):
-        await conn.put(*stages, "R_1_0", {"x": 1})
+    result = await conn.put(*stages, "R_1_0", {"x": 1})
+    assert not result.ok and "_stage must be a str (or an int)" in result.metadata["error"]  # type: ignore[index]
     with pytest.raises(TypeError, match="_stage must be a str"):
         await conn.get(*stages, "R_1_0")
     assert residue(store) == ([], []) and store.rings() == []
     await conn.close()
+
+
+async def test_int_stages_are_their_digits(store: Store) -> None:
+    """Upstream's callers pass ``str(stage_id)``; some pass the int: the same edge either way."""
+    producer = ShmConnector(store, stage_id=0, send_ring=RingSettings())
+    consumer = ShmConnector(store, stage_id=1, receive_ring=True)
+    await put(producer, "R_0_0", {"x": 1})
+    assert (await producer.put(0, 1, "R_0_1", {"x": 2})).ok
+    assert [(await consumer.get(0, 1, k))[0]["x"] for k in ("R_0_0", "R_0_1")] == [1, 2]  # type: ignore[index]
+    assert producer.health()["ring_puts"] == 2
+    await producer.close()
+    await consumer.close()
+    assert residue(store) == ([], [])
+
+
+async def test_get_with_deadline_is_a_get_until_the_deadline(store: Store) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_0_0", "r")
+    assert await conn.get_with_deadline("0", "1", "R_0_0", deadline=time.monotonic() - 1) is None
+    assert await conn.get_with_deadline("0", "1", "R_0_0", deadline=time.monotonic() + 60) == ("r", ANY)
+    assert residue(store) == ([], [])
 
 
 @pytest.mark.parametrize("seconds", [math.inf, math.nan, -1.0])

@@ -24,7 +24,8 @@ class CorruptChunk(Exception):
 
 
 class Connector(Protocol):
-    """A stage-edge transport. ``put`` and ``get`` never raise for storage or payload problems."""
+    """A stage-edge transport. ``put`` never raises; ``get`` never raises for storage or payload
+    problems (a corrupt chunk is :class:`CorruptChunk`)."""
 
     stage_id: int
 
@@ -47,6 +48,18 @@ class Connector(Protocol):
 
         ``claim``, asked while the key is held exclusively and before anything is consumed,
         may refuse the payload (it then stays where it is)."""
+        ...
+
+    async def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """:meth:`get`, or None once the clock has reached ``deadline``."""
         ...
 
     async def cleanup(self, key: str) -> bool:

@@ -26,11 +26,13 @@ def validate_key(key: str) -> str:
 
 
 def validate_stage(stage: object, what: str) -> str:
-    """A put's or get's ``from_stage`` or ``to_stage``: a string (``"1"``), as upstream's connector
-    takes them; it names the edge's ring and wakeups. Else :class:`TypeError`, before anything is
-    stored."""
+    """A put's or get's ``from_stage`` or ``to_stage`` as a string (``"1"``), as upstream's connector
+    takes them (an ``int`` is taken as its digits); it names the edge's ring and wakeups. Else
+    :class:`TypeError`, before anything is stored."""
+    if isinstance(stage, int) and not isinstance(stage, bool):
+        return str(stage)
     if not isinstance(stage, str):
-        raise TypeError(f"{what} must be a str, got {type(stage).__name__}: {stage!r:.40}")
+        raise TypeError(f"{what} must be a str (or an int), got {type(stage).__name__}: {stage!r:.40}")
     return stage
 
 

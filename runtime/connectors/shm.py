@@ -131,15 +131,19 @@ class ShmConnector:
     async def put(self, from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
         """Store ``data`` under ``put_key``, replacing unread data of the same key.
 
-        Storage and encoding failures (a full /dev/shm, a name that is not ours, a lock file
-        held too long, a connector closed before the put ended) return ``(False, 0, {"error":
-        cause})`` and leave neither segment nor lock file. An invalid key raises
-        :class:`InvalidKeyError`; a stage that is not a string, :class:`TypeError`.
+        Never raises (spec §2.1): storage and encoding failures (a full /dev/shm, a name that is
+        not ours, a lock file held too long, a connector closed before the put ended) and bad
+        arguments (an invalid key, a stage that is neither a string nor an int) return ``(False,
+        0, {"error": cause})`` and leave neither segment nor lock file.
         """
         k = current_kernel()
-        validate_key(put_key)
-        validate_stage(from_stage, "from_stage")
-        validate_stage(to_stage, "to_stage")
+        try:
+            validate_key(put_key)
+            from_stage = validate_stage(from_stage, "from_stage")
+            to_stage = validate_stage(to_stage, "to_stage")
+        except (InvalidKeyError, TypeError) as e:
+            log.warning("put refused: %s", e)
+            return PutResult(False, 0, {"error": str(e)})
         try:
             if self._closed:
                 raise ConnectorClosed("the connector is closed")
@@ -493,14 +497,18 @@ class ShmConnector:
     # -- get ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _resolve_key(get_key: str, metadata: dict[str, Any] | None) -> str:
-        if isinstance(metadata, dict):
-            if isinstance(metadata.get("get_key"), str):
-                return metadata["get_key"]
-            shm = metadata.get("shm")
-            if isinstance(shm, dict) and isinstance(shm.get("name"), str):
-                return shm["name"]
-        return get_key
+    def _resolve_key(get_key: str, metadata: object) -> str:
+        """The key a get reads (spec §2.4): metadata keyed by ``get_key`` is unwrapped; a put's
+        handle (``{"shm": {"name": key}}``) names it; anything else, a handle naming no valid
+        key included, falls back to ``get_key``."""
+        if isinstance(metadata, dict) and isinstance(get_key, str) and get_key in metadata:
+            metadata = metadata[get_key]
+        shm = metadata.get("shm") if isinstance(metadata, dict) else None
+        name = shm.get("name") if isinstance(shm, dict) else None
+        try:
+            return validate_key(name) if name is not None else get_key
+        except InvalidKeyError:
+            return get_key
 
     async def get(
         self,
@@ -514,7 +522,8 @@ class ShmConnector:
         """Take the payload of ``get_key`` if it is complete now; None if it has not arrived.
 
         Raises :class:`CorruptChunk` when the bytes taken were not a committed, intact frame
-        (they are consumed all the same) or the key's names are not ours.
+        (they are consumed all the same) or the key's names are not ours; :class:`InvalidKeyError`
+        for a key that names no chunk, :class:`TypeError` for a stage neither a string nor an int.
 
         ``claim`` is asked once the key's lock is held and before anything is consumed: False
         leaves the payload where it is. A reader whose request was cleaned up while its get was
@@ -524,8 +533,8 @@ class ShmConnector:
         """
         k = current_kernel()
         key = validate_key(self._resolve_key(get_key, metadata))
-        validate_stage(from_stage, "from_stage")
-        validate_stage(to_stage, "to_stage")
+        from_stage = validate_stage(from_stage, "from_stage")
+        to_stage = validate_stage(to_stage, "to_stage")
         await k.point("shm.get.begin", key=key)
         if self._closed:
             return None  # (a closed connector maps nothing again: what it mapped, it let go)
@@ -592,6 +601,25 @@ class ShmConnector:
         self._pending_keys.pop(key, None)
         self._gets += 1
         return obj, size
+
+    async def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """:meth:`get`, or None once the kernel's clock (``time.monotonic`` outside the simulator)
+        has reached ``deadline`` (upstream's API, spec §2.1)."""
+        if current_kernel().now() >= deadline:
+            return None
+        return await self.get(from_stage, to_stage, get_key, metadata)
+
+    def abandon_get(self, get_key: str) -> None:
+        """Upstream's API (spec §2.1): a get here holds nothing between calls, so there is
+        nothing to let go of."""
 
     async def _take_from_ring(
         self, ring: Ring, frame: rings.Frame, claim: Callable[[], bool] | None, edge: str
@@ -679,6 +707,10 @@ class ShmConnector:
             return await cls._decode(source), None
         except WireDecodeError as e:
             return None, e
+        except StoreError:
+            raise  # an I/O error of the moment: nothing is consumed, and the reader tries again
+        except Exception as e:  # a decoder that broke on these bytes would break on them again
+            return None, WireDecodeError(f"the decoder failed on it: {type(e).__name__}: {e}")
 
     @staticmethod
     async def _decode(segment: FrameIO) -> Any:

@@ -245,6 +245,8 @@ class FifoWakeups:
         arrived = rx.counter == generation and (
             rx.drain() or await current_kernel().wait_readable(rx.read_fd, timeout, name=f"wakeup.{stage}", ready=ready)
         )
+        if self._closed or self._receivers.get(stage) is not rx:
+            return False  # closed while it waited: its descriptor's number may be another file's now
         if arrived:
             rx.drain()
             rx.counter += 1
