@@ -5,6 +5,7 @@ in OpenAI's error shape, and clients that vanish mid-stream leaving nothing behi
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import itertools
 import json
@@ -26,7 +27,7 @@ import httpx
 import openai
 import pytest
 from conftest import left_behind, shm_names
-from websockets.exceptions import ConnectionClosedOK
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.sync.client import connect
 
 REPO = Path(__file__).resolve().parent.parent
@@ -515,6 +516,30 @@ def test_a_signal_ends_a_stream_in_flight_with_an_error_event_at_once() -> None:
     finally:
         assert running.proc.wait(30) == 130
     assert not left_behind(before)
+
+
+def test_a_signal_ends_an_utterance_in_flight_with_an_error_event_then_audio_done() -> None:
+    """Upstream's streaming client learns of a failed utterance from an ``error`` event."""
+    before = shm_names()
+    running = start_server()
+    events: list[dict[str, object]] = []
+    try:
+        with connect(running.ws) as ws:
+            ws.send(json.dumps({"type": "input.text", "text": "word " * 3000}))
+            ws.send(json.dumps({"type": "input.done"}))
+            assert json.loads(ws.recv(timeout=30))["type"] == "audio.start"
+            running.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    message = ws.recv(timeout=30)
+                    if isinstance(message, str):
+                        events.append(json.loads(message))
+    finally:
+        assert running.proc.wait(30) == 130
+    assert not left_behind(before)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["error", "audio.done"], kinds
+    assert "shut down" in str(events[0]["message"]) and events[1]["error"] is True
 
 
 def test_a_whole_response_pending_at_a_signal_is_a_503() -> None:

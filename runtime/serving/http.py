@@ -358,6 +358,8 @@ class Server:
         if config.word_timestamps:
             final = {"type": "audio.chunk", **where, **_chunk_span(chunks, 0, sent), "audio_b64": ""}
             await ws.send_json(final | {"timestamps": _timestamps(stamps)})
+        if error is not None:  # (upstream's client learns of a failed utterance from this event)
+            await ws.send_json({"type": "error", **where, "message": f"the utterance failed: {error}"})
         done = {"type": "audio.done", **where, "total_bytes": sent, "error": error is not None}
         await ws.send_json(done | ({"message": error} if error else {}))
         await ws.send_json({"type": "session.done", "utterance_index": utterance, "total_sentences": 1})
