@@ -121,3 +121,17 @@ def health_counts_true(world: ObservedWorld) -> list[str]:
         for counter, (reported, counted) in counters.items()
         if reported != counted
     ]
+
+
+@invariant(
+    "answered-leaves-nothing-unread",
+    "a request answered whole left no unread chunk for its release sweep to reclaim: every chunk it put was read, "
+    "and nothing was put for a stage that never asks for it (#7245's orphans)",
+)
+def answered_leaves_nothing_unread(world: ObservedWorld) -> list[str]:
+    return [
+        f"request {ev.attrs['req']} was answered whole, yet its release sweep reclaimed {ev.attrs['reclaimed']} "
+        "unread chunk(s)"
+        for ev in world.trace
+        if ev.name == "orch.released" and ev.attrs.get("answered") and ev.attrs.get("reclaimed")
+    ]

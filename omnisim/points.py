@@ -86,6 +86,10 @@ POINTS: dict[str, tuple[str, str]] = {
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.stage_died": ("note", "a stage's process died; the requests bound to it fail [stage, reason]"),
     "orch.accepted": ("note", "a request was accepted: a new generation of its id starts on the stages [req]"),
+    "orch.released": (
+        "note",
+        "a request's release sweep ran on every stage; its id is free [req, answered: it ended whole, reclaimed]",
+    ),
     "stage.life": ("note", "a stage's supervisor starts a life of it, writing into a namespace [stage, ns]"),
     "stage.died": ("note", "a stage's supervisor found its life dead (exited, or silent too long) [stage, reason]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),

@@ -51,6 +51,7 @@ DEFAULT_INVARIANTS = (
     "ring-before-segments",
     "answers-true",
     "ring-writes-locked",
+    "answered-leaves-nothing-unread",
 )
 
 

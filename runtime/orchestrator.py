@@ -119,6 +119,8 @@ class RequestState:
     outlived_a_stage: bool = False
     #: The client got its terminal: nothing more is published.
     closed: bool = False
+    #: It ended as a whole answer (not aborted, not failed): every chunk it put was read.
+    answered: bool = False
 
 
 class Orchestrator:
@@ -397,6 +399,7 @@ class Orchestrator:
                 for item in held:
                     state.stream.put(item)
                 self._close(state, dataclasses.replace(last, request_finished=True))
+                state.answered = True
         self._to_release.append(state)
         self._release_needed.notify()
 
@@ -430,8 +433,14 @@ class Orchestrator:
 
     async def _release(self, state: RequestState) -> None:
         """The request-level sweep (spec §2.11), then the id is free for reuse."""
+        reclaimed = 0
         for stage in self.stages.values():
-            await stage.release(state.request_id)
+            reclaimed += await stage.release(state.request_id)
+        if reclaimed and state.answered:
+            # Its final output came after every stage finished it, so its chunks were all read:
+            # one sent to a stage that never asks for it (#7245's orphans) is a bug of ours.
+            log.warning("request %s was answered, yet %d of its chunks were never read", state.request_id, reclaimed)
+        current_kernel().note("orch.released", req=state.request_id, answered=state.answered, reclaimed=reclaimed)
         # A give-up of this generation was recorded before its sweep ran (same save FIFO): read it
         # now, while the stage request ids still name this generation and not a reuse of the id.
         self._check_failures()

@@ -55,15 +55,22 @@ def codec_frame(request_index: int, i: int) -> torch.Tensor:
 
 
 async def talk(
-    req: EdgeRequest, n_frames: int, request_index: int, *, frame_interval_s: float = 0.0, finish: bool = True
+    req: EdgeRequest,
+    n_frames: int,
+    request_index: int,
+    *,
+    frame_interval_s: float = 0.0,
+    finish: bool = True,
+    stop_frame: bool = True,
 ) -> None:
     """The Talker's steps: all-zero prefill placeholders, ``n_frames`` frames, then the stop frame
-    on the finishing step (so the finish call itself brings no new frame). A step takes
+    on the finishing step (so the finish call itself brings no new frame; without ``stop_frame``
+    the last frame's step finishes, as a length cap ends a request). A step takes
     ``frame_interval_s``; without ``finish`` the Talker dies after its frames (no terminal)."""
     k = current_kernel()
     steps = [torch.zeros(1, 16, dtype=torch.int64)] * PREFILL_STEPS
     steps += [codec_frame(request_index, i) for i in range(n_frames)]
-    if finish:
+    if finish and stop_frame:
         steps.append(torch.full((1, 16), STOP_TOKEN, dtype=torch.int64))
     for i, step in enumerate(steps):
         if frame_interval_s:
@@ -99,14 +106,19 @@ async def listen(req: EdgeRequest) -> None:
 
 
 #: Frame counts that hit every branch of the chunker: inside the initial chunk, a remainder after
-#: chunk 1, exactly on a boundary (the finish brings no frame: empty terminal), and a long one.
-LENGTHS = {"short": 3, "remainder": 10, "boundary": 29, "long": 60}
+#: chunk 1, exactly on a boundary (the finish brings no frame: empty terminal), the same boundary
+#: reached by the finish call itself (a length cap: its last frame comes with the finish, and no
+#: stop frame follows), and a long one.
+LENGTHS = {"short": 3, "remainder": 10, "boundary": 29, "capped": 29, "long": 60}
+#: The requests of :data:`LENGTHS` that end on their last frame, not on a stop frame.
+ENDS_ON_A_FRAME = frozenset({"capped"})
 
 
 @scenario(
     "codec_chunk_boundaries",
-    summary="requests of 3, 10, 29 and 60 codec frames through the real 4/25/25 chunker: every frame arrives "
-    "once, in order, codebook-major, and the terminal flushes the remainder",
+    summary="requests of 3, 10, 29 (ended by a stop frame, and by a length cap on the 29th) and 60 codec frames "
+    "through the real 4/25/25 chunker: every frame arrives once, in order, codebook-major, and the terminal "
+    "flushes the remainder",
     issue="#5413, codebook-major layout",
     build=codec_world,
     budget_share=0.25,
@@ -115,7 +127,8 @@ async def codec_chunk_boundaries(world: World) -> None:
     reqs = {name: EdgeRequest(world, name) for name in LENGTHS}
     jobs = []
     for index, (name, req) in enumerate(reqs.items()):
-        jobs.append((f"{name}.talk", lambda req=req, index=index, name=name: talk(req, LENGTHS[name], index)))
+        speak = functools.partial(talk, req, LENGTHS[name], index, stop_frame=name not in ENDS_ON_A_FRAME)
+        jobs.append((f"{name}.talk", speak))
         jobs.append((f"{name}.listen", lambda req=req: listen(req)))
     await together(*jobs)
     for req in reqs.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -10,8 +11,10 @@ from omnisim.registry import Patch, mutant
 from runtime import serving
 from runtime.config.topology import OutputType
 from runtime.orchestrator import EngineOutput, Orchestrator, RequestState
+from runtime.request import Request
 from runtime.sched.ar import ARScheduler
 from runtime.serving import EmittedSamplesTrim
+from runtime.stages import Stage
 
 
 @mutant(
@@ -28,6 +31,23 @@ def abort_terminal_from_stage0() -> Iterator[Patch]:
         )
 
     yield Patch(Orchestrator, "_terminal", terminal)
+
+
+@mutant(
+    "final_stage_sends_chunks",
+    summary="every stage a request runs on sends chunks, its final-output stage too: a text-only answer's Thinker "
+    "puts a chunk per token for a Talker that never asks for them, and only the release sweep removes them",
+    issue="#7245 (chunks nobody reads), found by an outside bug hunt",
+    scenarios=("pipeline_requests",),
+    expect=("answered-leaves-nothing-unread",),
+)
+def final_stage_sends_chunks() -> Iterator[Patch]:
+    submit = Stage.submit
+
+    def submit_sending(self: Stage, request: Request, payload: dict[str, Any] | None, *, sends: bool) -> None:
+        submit(self, request, payload, sends=True)
+
+    yield Patch(Stage, "submit", submit_sending)
 
 
 @mutant(

@@ -462,3 +462,15 @@ async def test_a_release_does_not_wait_behind_other_requests_puts(monkeypatch: p
         await settle(lambda: len(edge.c1.residue()["pending_keys"]) == 40, "the other puts")
     # The sweep of M ran right after M's own put: no put of another id had to go first.
     assert others_sent_before_the_sweep == [0]
+
+
+def test_two_stage_requests_of_one_reused_id_are_two_requests() -> None:
+    """A reused id's new stage request has the same fields as its predecessor's when both are made:
+    every table that finds, removes or compares requests must tell them apart (found by an outside
+    bug hunt: value equality passed every scenario)."""
+    old, new = Request("R#1", "R"), Request("R#1", "R")
+    assert old != new and old == old
+    assert [old, new].index(new) == 1 and len({id(old), id(new)}) == 2
+    waiting = [old, new]
+    waiting.remove(new)
+    assert waiting[0] is old

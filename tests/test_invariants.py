@@ -217,6 +217,16 @@ def test_no_stale_consume_wants_a_failed_request_out_of_the_receive_queue() -> N
     assert "polled R_1_0" in message and "after its receive failed (event 1)" in message
 
 
+def test_answered_leaves_nothing_unread_looks_at_answered_requests_only() -> None:
+    answered = ("orch.released", {"req": "R", "answered": True, "reclaimed": 0})
+    aborted = ("orch.released", {"req": "A", "answered": False, "reclaimed": 3})
+    assert INVARIANTS["answered-leaves-nothing-unread"].check(world_of(answered, aborted)) == []
+    orphans = ("orch.released", {"req": "T", "answered": True, "reclaimed": 46})
+    assert INVARIANTS["answered-leaves-nothing-unread"].check(world_of(orphans)) == [
+        "request T was answered whole, yet its release sweep reclaimed 46 unread chunk(s)"
+    ]
+
+
 def test_a_probe_finding_counts_for_its_own_invariant_only() -> None:
     world = world_of(("probe.failed", {"invariant": "samples-exactly-once", "message": "A: 10 samples, want 12"}))
     assert check(world, ["samples-exactly-once", "no-crash"]) == [
