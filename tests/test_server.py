@@ -542,16 +542,23 @@ def test_a_signal_ends_an_utterance_in_flight_with_an_error_event_then_audio_don
     assert "shut down" in str(events[0]["message"]) and events[1]["error"] is True
 
 
+def _speech_in_flight(running: Running, *, words: int, held_by: str) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A whole speech request of ``words`` words, asked on a thread of its own; returns once the
+    stage ``held_by`` holds it (the reply lands in the list when it comes)."""
+    replies: list[httpx.Response] = []
+    asking = threading.Thread(target=lambda: replies.append(_speech(running, input="word " * words)), daemon=True)
+    asking.start()
+    while _metric(running, f'omnisim_stage_requests{{stage="{held_by}"}}') < 1:
+        time.sleep(0.05)
+    return asking, replies
+
+
 def test_a_whole_response_pending_at_a_signal_is_a_503() -> None:
     """The engine stopped under the request: a client may retry later or elsewhere (not a 500)."""
     before = shm_names()
     running = start_server()
-    replies: list[httpx.Response] = []
     try:
-        asking = threading.Thread(target=lambda: replies.append(_speech(running, input="word " * 3000)), daemon=True)
-        asking.start()
-        while _metric(running, 'omnisim_stage_requests{stage="thinker"}') < 1:
-            time.sleep(0.05)
+        asking, replies = _speech_in_flight(running, words=3000, held_by="thinker")
         running.proc.send_signal(signal.SIGINT)
         asking.join(30)
     finally:
@@ -642,12 +649,8 @@ def test_a_stage_dying_under_a_whole_response_is_a_503_and_a_retry_succeeds() ->
     request was bad (500), and the retry succeeds."""
     before = shm_names()
     running = start_server("--processes")
-    replies: list[httpx.Response] = []
     try:
-        asking = threading.Thread(target=lambda: replies.append(_speech(running, input="word " * 2000)), daemon=True)
-        asking.start()
-        while _metric(running, 'omnisim_stage_requests{stage="talker"}') < 1:
-            time.sleep(0.05)
+        asking, replies = _speech_in_flight(running, words=2000, held_by="talker")
         os.kill(_stage_process(running, 1), signal.SIGKILL)
         asking.join(60)
         [reply] = replies

@@ -308,8 +308,8 @@ class ShmConnector:
         lost: set[str] = set()
         for key in [key for key, (e, _) in self._ring_keys.items() if e == edge]:
             _, pos = self._ring_keys.pop(key)
-            if self._unread_on_retired(ring, key, pos):
-                self._mark_lost(key, f"its frame went with the corrupt ring of {edge}")
+            gone_with = f"its frame went with the corrupt ring of {edge}"
+            if self._unread_on_retired(ring, key, pos) and self._mark_lost(key, gone_with):
                 lost.add(key)
         try:
             self.store.unlink_ring(edge, only=ring.memory)
@@ -334,11 +334,12 @@ class ShmConnector:
         except rings.RingCorrupt:
             return True
 
-    def _mark_lost(self, key: str, reason: str) -> None:
+    def _mark_lost(self, key: str, reason: str) -> bool:
         """Put, under ``key``, a committed frame that says its payload was lost (a segment): the
         reader's get of it raises :class:`CorruptChunk` naming the reason, so its request fails
         now, not at its input deadline. The key stays tracked (a cleanup, or the reader, removes
-        the segment). Never waits: if the key's lock file is held, nothing is put."""
+        the segment). Never waits: if the key's lock file is held, nothing is put. True if it was
+        put."""
         current_kernel().note("shm.lost", key=key)
         log.error("the chunk %s is lost: %s", key, reason)
         frame = EncodedFrame(LostChunk(reason))
@@ -346,13 +347,13 @@ class ShmConnector:
             lock = self.store.open_lock(key, create=True)
         except StoreError as e:
             log.warning("%s is not marked lost: %s", key, e)
-            return
+            return False
         assert lock is not None
         created = False
         try:
             if not (lock.try_acquire() and lock.is_current()):
                 log.warning("%s is not marked lost: its lock file is held", key)
-                return
+                return False
             segment = self.store.create_segment(key)
             created = True
             try:
@@ -360,9 +361,11 @@ class ShmConnector:
                 frame.write_to(segment)
             finally:
                 segment.close()
+            return True
         except StoreError as e:
             log.warning("%s is not marked lost: %s", key, e)
             self._roll_back(key, created=created)
+            return False
         finally:
             lock.close()
 
