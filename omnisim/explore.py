@@ -561,6 +561,7 @@ def _explore_with_hypothesis(
     violation, shrink the schedule; the reported and saved run is the shrunk one."""
     budget, mutant = result.budget, result.mutant
     failing: list[tuple[RunResult, list[int]]] = []
+    shrink_runs: list[str] = []
     start = time.perf_counter()
 
     @hypothesis.settings(
@@ -584,8 +585,11 @@ def _explore_with_hypothesis(
         res = run_once(scn, store=store, strategy=HypothesisStrategy(choices), seed=seed, mutant=mutant, params=params)
         if stop_requested:
             raise KeyboardInterrupt
-        result.schedules += 1
-        result.traces.add(res.trace_digest)
+        if failing:  # Hypothesis shrinks the find: these runs are not schedules of the search
+            shrink_runs.append(res.trace_digest)
+        else:
+            result.schedules += 1
+            result.traces.add(res.trace_digest)
         if result.counts(res.violations):
             result.first_violation_after = result.first_violation_after or result.schedules
             failing.append((res, choices))  # Hypothesis ends on the shrunk example
@@ -608,6 +612,7 @@ def _explore_with_hypothesis(
             # Decisions the drawn schedule steered away from the first runnable task.
             "steered_choices": sum(1 for c in steered if c),
             "steered_choices_before_shrinking": sum(1 for c in failing[0][1] if c),
+            "shrink_runs": len(shrink_runs),
         }
         if out_dir is not None:
             entry["artifact"] = result.artifact = save_artifact(shrunk, out_dir, plugins)
