@@ -276,7 +276,7 @@ def test_a_websocket_refuses_bad_messages_and_stays_open(server: Running) -> Non
 
 def test_health_and_metrics(server: Running) -> None:
     health = httpx.get(f"{server.url}/health").json()
-    assert health["status"] == "ok" and set(health["stages"]) == {"thinker", "talker", "code2wav"}
+    assert health["status"] == "healthy" and set(health["stages"]) == {"thinker", "talker", "code2wav"}
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in ("vllm:omni_audio_ttfp_s", "vllm:omni_audio_rtf", "vllm:omni_audio_underrun_s", "omnisim_aborts"):
         assert name in metrics

@@ -100,7 +100,8 @@ class Server:
         stages = self.engine.health()
         failing = [name for name, h in stages.items() if not h.get("alive")]
         status = 503 if failing else 200
-        body = {"status": "unhealthy" if failing else "ok", "failing": failing, "stages": stages}
+        # ("healthy", as upstream's server and the connector's health() say it)
+        body = {"status": "unhealthy" if failing else "healthy", "failing": failing, "stages": stages}
         return JSONResponse(body, status_code=status)
 
     async def prometheus(self, request: Request) -> Response:
