@@ -139,6 +139,12 @@ def _field(body: Mapping[str, Any], name: str, check: Callable[[Any], bool], wan
     return value
 
 
+def _check_types(body: Mapping[str, Any], fields: Mapping[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """Each of ``fields`` (name -> check, what it must be) is absent, null, or passes its check."""
+    for name, (check, want) in fields.items():
+        _field(body, name, check, want, None)
+
+
 def _ignore_unknown(body: Mapping[str, Any], known: frozenset[str], where: str) -> None:
     """Fields this server does not know are ignored, as upstream's request models ignore them
     (its clients send model-specific ones: ``ref_audio``, ``mm_processor_kwargs``, …); the log
@@ -208,8 +214,7 @@ def _refuse_what_is_not_built(body: Mapping[str, Any]) -> None:
 def parse_chat(raw: object) -> ChatRequest:
     body = _object(raw)
     _ignore_unknown(body, _CHAT_FIELDS | set(_CHAT_IGNORED), "a chat completion")
-    for name, (check, want) in _CHAT_IGNORED.items():
-        _field(body, name, check, want, None)
+    _check_types(body, _CHAT_IGNORED)
     if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     _refuse_what_is_not_built(body)
@@ -241,9 +246,9 @@ def parse_chat(raw: object) -> ChatRequest:
     )
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: Any) -> bool:
     """A positive integer (``true`` is an ``int`` to Python, never a count to a client)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _is_int(value) and value > 0
 
 
 #: Upstream's extensions of the speech request: accepted with their types checked; the toy
@@ -271,7 +276,8 @@ def _voice(body: Mapping[str, Any]) -> str:
 def parse_speech(raw: object) -> SpeechRequest:
     body = _object(raw)
     known = {"model", "input", "voice", "speaker", "response_format", "speed", "stream", "stream_format"}
-    _ignore_unknown(body, frozenset(known | {"word_timestamps"} | set(_SPEECH_EXTENSIONS)), "a speech request")
+    known |= {"word_timestamps", *_SPEECH_EXTENSIONS}
+    _ignore_unknown(body, frozenset(known), "a speech request")
     if "input" not in body:
         raise ApiError("'input' is required: the text to speak", param="input")
     text = _text(body["input"], "input")
@@ -290,8 +296,7 @@ def parse_speech(raw: object) -> SpeechRequest:
     streaming = stream or stream_format is not None
     if streaming and speed != 1.0:
         raise ApiError("a streamed response plays at speed 1.0 only", param="speed")
-    for name, (check, want) in _SPEECH_EXTENSIONS.items():
-        _field(body, name, check, want, None)
+    _check_types(body, _SPEECH_EXTENSIONS)
     return SpeechRequest(
         text=text,
         voice=_voice(body),
@@ -332,8 +337,7 @@ def parse_session_config(raw: Mapping[str, Any]) -> SessionConfig:
         )
     if _field(raw, "speed", _is_number, "a number", 1.0) != 1.0:
         raise ApiError("a streamed session plays at speed 1.0 only", param="speed")
-    for name, (check, want) in _SPEECH_EXTENSIONS.items():
-        _field(raw, name, check, want, None)
+    _check_types(raw, _SPEECH_EXTENSIONS)
     return SessionConfig(
         voice=_voice(raw),
         response_format=response_format,
