@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Patch, mutant
@@ -72,6 +73,7 @@ BAD_PAYLOADS: dict[str, object] = {
     "a structured ndarray": {"x": np.zeros(2, dtype=[("a", "<i4")])},
     "an integer past 64 bits": {"x": 2**64},
     "a tensor of a dtype the wire does not carry": {"x": torch.zeros(2, dtype=torch.uint16)},
+    "an image whose palette would not travel": {"x": Image.new("P", (2, 2))},
     "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
 }
 

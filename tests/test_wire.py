@@ -4,6 +4,7 @@ WireDecodeError on malformed input."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import re
@@ -12,12 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from omnisim.processes import FORGERIES, forged_frame, intact_forgery
 from runtime.connectors.wire import (
@@ -254,7 +257,7 @@ def test_ndarray_round_trip(name: str) -> None:
     arr = NDARRAYS[name]
     got = round_trip(arr)
     assert_same(got, arr)
-    assert got.flags.writeable
+    assert not got.flags.writeable  # as upstream's receiver, which views the bytes that arrived
     np.testing.assert_array_equal(got, arr)
 
 
@@ -316,6 +319,141 @@ def test_write_into_larger_buffer_and_decode_from_memoryview() -> None:
     assert_same(decode(memoryview(buf)), obj)
 
 
+# -- what else upstream's serializer carries (spec §2.8) -------------------------------------
+
+
+def test_a_slice_arrives_as_start_stop_step() -> None:
+    assert round_trip({"s": slice(1, 7, 2), "open": slice(None, 3)}) == {"s": [1, 7, 2], "open": [None, 3, None]}
+
+
+@dataclasses.dataclass
+class _Meta:
+    finished: torch.Tensor
+    left_context_size: int
+    inner: _Inner | None = None
+    _private: str = "kept"
+
+
+@dataclasses.dataclass
+class _Inner:
+    codes: list[int]
+
+
+def test_a_dataclass_arrives_as_a_map_of_its_fields() -> None:
+    meta = _Meta(torch.tensor(True), 25, _Inner([1, 2]))
+    got = round_trip({"meta": meta})
+    assert_same(
+        got,
+        {
+            "meta": {
+                "finished": torch.tensor(True),
+                "left_context_size": 25,
+                "inner": {"codes": [1, 2]},
+                "_private": "kept",
+            }
+        },
+    )
+
+
+class _Codes(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    audio: object = None
+
+
+class _Payload(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    codes: _Codes | None = None
+    speaker: str | None = None
+    left_context_size: int = 0
+    ids: list[int] = msgspec.field(default_factory=list)
+    extra: dict = msgspec.field(default_factory=dict)
+
+
+class _Renamed(msgspec.Struct, rename="camel", tag=True):
+    left_context: int
+    some_flag: bool = False
+
+
+class _Tagged(msgspec.Struct, tag_field="kind", tag="meta", omit_defaults=True):
+    value: float = 0.5
+
+
+class _Row(msgspec.Struct, array_like=True):
+    a: int
+    b: str = "x"
+
+
+class _TaggedRow(msgspec.Struct, array_like=True, tag=7):
+    a: int
+
+
+#: Structs with nothing msgspec cannot encode itself: this wire must write what msgspec writes.
+PLAIN_STRUCTS = {
+    "all_defaults": _Payload(),
+    "defaults_by_value": _Payload(left_context_size=int("0"), ids=[], extra={}, speaker=None),
+    "set_fields": _Payload(codes=_Codes(audio=[1, 2]), speaker="Ethan", left_context_size=25, ids=[3]),
+    "zero_float_is_not_the_default_object": _Tagged(value=float("0.5")),
+    "default_object": _Tagged(),
+    "renamed_and_tagged": _Renamed(left_context=3),
+    "array_like": _Row(1),
+    "array_like_tagged": _TaggedRow(2),
+    "nested_in_containers": {"rows": [_Row(1, "y"), _Renamed(left_context=0, some_flag=True)]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_STRUCTS))
+def test_a_struct_arrives_as_msgspec_itself_would_send_it(name: str) -> None:
+    struct = PLAIN_STRUCTS[name]
+    assert round_trip(struct) == msgspec.msgpack.decode(msgspec.msgpack.encode(struct))
+
+
+def test_a_struct_holding_tensors_arrives_as_a_map_without_its_defaults() -> None:
+    """Upstream's payload types are Structs that omit their defaults: the receiver gets maps, the
+    omitted fields absent, the tensors whole (spec §2.8, the struct-vs-dict asymmetry)."""
+    payload = _Payload(codes=_Codes(audio=torch.arange(28).reshape(1, 28)), extra={"handle": b"\x00\xff"})
+    got = round_trip(payload)
+    assert set(got) == {"codes", "extra"}
+    assert_same(got["codes"], {"audio": torch.arange(28).reshape(1, 28)})
+    assert got["extra"] == {"handle": b"\x00\xff"}
+
+
+#: One image of each mode Pillow makes that carries no palette, with pixels that differ.
+IMAGE_MODES = ["1", "L", "LA", "I", "F", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV", "I;16", "La", "RGBa"]
+
+
+def _image(mode: str, size: tuple[int, int] = (9, 3)) -> Image.Image:
+    nbytes = len(Image.new(mode, size).tobytes())
+    return Image.frombytes(mode, size, (bytes(range(1, 252)) * (nbytes // 251 + 1))[:nbytes])
+
+
+@pytest.mark.parametrize("mode", IMAGE_MODES)
+def test_an_image_arrives_as_an_image_with_its_mode_size_and_bytes(mode: str) -> None:
+    image = _image(mode)
+    got = round_trip({"image": image, "empty": Image.new(mode, (0, 4))})
+    assert isinstance(got["image"], Image.Image)
+    assert (got["image"].mode, got["image"].size, got["image"].tobytes()) == (mode, image.size, image.tobytes())
+    assert got["empty"].size == (0, 4)
+
+
+def test_a_received_image_is_a_copy_of_its_own() -> None:
+    image = _image("RGB")
+    got = round_trip(image)
+    image.paste(0, (0, 0, 9, 3))
+    assert any(got.tobytes())
+
+
+def test_an_image_header_claiming_a_huge_image_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _allocations(monkeypatch)
+    with pytest.raises(WireDecodeError):
+        decode(_frame(_ext(4, ["RGBA", [1 << 20, 1 << 20], 0, 64]), bytes(128)))
+    assert asked == []
+
+
+def test_extensions_of_the_user_arrive_as_themselves() -> None:
+    """A msgspec ``Ext`` comes back as one, whatever its code (ours included: it is wrapped)."""
+    got = round_trip({"ext": [msgspec.msgpack.Ext(c, bytes([c % 256]) * 20) for c in (-128, 1, 2, 42, 127)]})
+    assert [(e.code, e.data) for e in got["ext"]] == [(c, bytes([c % 256]) * 20) for c in (-128, 1, 2, 42, 127)]
+    assert all(isinstance(e, msgspec.msgpack.Ext) for e in got["ext"])
+
+
 # -- encode errors ---------------------------------------------------------------------------
 
 
@@ -340,7 +478,7 @@ UNSUPPORTED = {
     "structured_ndarray": lambda: np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]),
     "void_ndarray": lambda: np.zeros(2, dtype="V4"),
     "nested_object": lambda: {"ok": [1, 2, {"bad": Opaque()}]},
-    "slice": lambda: slice(1, 2),
+    "palette_image": lambda: Image.new("P", (2, 2)),
     "sparse_tensor": lambda: torch.eye(3).to_sparse(),
     "meta_tensor": lambda: torch.empty(3, device="meta"),
     "function": lambda: print,
@@ -418,6 +556,13 @@ MALFORMED = {
     "header_garbage": _frame(b"\xc1"),
     "header_truncated": _frame(msgpack.packb([1, 2, 3])[:-1]),
     "unknown_ext": _frame(_ext(9, ["int64", [1], 0, 8]), bytes(64)),
+    "image_mode_unknown": _frame(_ext(4, ["XYZ", [1, 1], 0, 1]), bytes(64)),
+    "image_mode_palette": _frame(_ext(4, ["P", [1, 1], 0, 1]), bytes(64)),
+    "image_size_not_two": _frame(_ext(4, ["L", [1, 1, 1], 0, 1]), bytes(64)),
+    "image_wrong_nbytes": _frame(_ext(4, ["RGB", [2, 2], 0, 4]), bytes(64)),
+    "user_ext_not_pair": _frame(_ext(5, [42])),
+    "user_ext_code_too_big": _frame(_ext(5, [300, b""])),
+    "user_ext_data_not_bytes": _frame(_ext(5, [1, "text"])),
     "ext_not_list": _frame(_ext(1, {"a": 1})),
     "ext_wrong_arity": _frame(_ext(1, ["int64", [1], 0])),
     "ext_garbage": _frame(msgpack.packb(msgpack.ExtType(1, b"\xc1\xc1"))),
@@ -521,7 +666,7 @@ _META = st.tuples(
 @given(st.integers(0, 255), _META, st.binary(max_size=200))
 def test_fuzz_extension_metadata(code: int, meta: tuple[object, ...], tail: bytes) -> None:
     """Well-formed msgpack whose extension metadata is arbitrary: only WireDecodeError."""
-    header = msgpack.packb({"x": msgpack.ExtType(code % 4, msgpack.packb(list(meta)))})
+    header = msgpack.packb({"x": msgpack.ExtType(code % 6, msgpack.packb(list(meta)))})
     _decode_or_decode_error(_frame(header, tail))
 
 

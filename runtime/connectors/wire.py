@@ -7,9 +7,15 @@ A frame is::
     trailer = b"OMWC" | u32 0 | u64 checksum | u64 length of everything before the trailer
 
 (little endian). The header is ordinary msgpack (maps, lists, str, int, float, bool, None,
-bytes; a dict key may be a tuple). A tensor is the extension type 1 and an ndarray the extension
-type 2; each carries ``[dtype, shape, offset, nbytes]`` and its raw bytes live in the buffer
-region at ``offset`` (64-byte aligned). Keeping the bytes out of the msgpack stream is what lets
+bytes; a dict key may be a tuple). A tensor is the extension type 1, an ndarray 2 and a PIL image
+4; each carries ``[dtype, shape, offset, nbytes]`` (an image: ``[mode, [width, height], offset,
+nbytes]``) and its raw bytes live in the buffer region at ``offset`` (64-byte aligned).
+
+The rest of what upstream's serializer (msgspec, spec §2.8) carries arrives as upstream's
+receiver sees it: a dataclass and a ``msgspec.Struct`` as a map of their fields (a Struct's
+defaults omitted where it says so, its renames and tag kept), a slice as ``[start, stop, step]``,
+a ``msgspec.msgpack.Ext`` as itself (extension type 5 wraps it, so its code never collides with
+ours), an ndarray read-only. Keeping the bytes out of the msgpack stream is what lets
 a put copy each tensor exactly once (one ``pwrite`` from the tensor's memory into the segment)
 and a get copy it exactly once (one ``preadv`` into the new tensor's memory), where upstream
 copies the payload six times.
@@ -41,9 +47,11 @@ import struct
 from typing import Any, NamedTuple, Protocol
 
 import msgpack
+import msgspec
 import numpy as np
 import torch
 import xxhash
+from PIL import Image
 
 MAGIC = b"OMW2"
 _PREFIX = struct.Struct("<4sI")
@@ -68,6 +76,12 @@ ALIGN = 64
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
 EXT_LOST = 3
+EXT_IMAGE = 4
+EXT_USER = 5
+#: The extension types whose bytes live in the buffer region.
+_BUFFERED = frozenset({EXT_TENSOR, EXT_NDARRAY, EXT_IMAGE})
+#: A palette does not travel with an image's bytes: such an image is refused, not sent without it.
+_PALETTE_MODES = frozenset({"P", "PA"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,9 +244,29 @@ class EncodedFrame:
             data = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
             meta = [obj.dtype.str, list(obj.shape), self._reserve(data), data.nbytes]
             return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(meta))
+        if isinstance(obj, Image.Image):
+            return self._image(obj)
+        if isinstance(obj, msgspec.Struct):
+            return _struct_fields(obj)
+        if isinstance(obj, msgspec.msgpack.Ext):
+            return msgpack.ExtType(EXT_USER, msgpack.packb([obj.code, obj.data]))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
+        if isinstance(obj, slice):
+            return [obj.start, obj.stop, obj.step]
         if isinstance(obj, int):  # (msgpack asks only for the integers it cannot carry)
             raise WireEncodeError(f"cannot encode an integer of {obj.bit_length()} bits: the wire carries 64")
         raise WireEncodeError(f"cannot encode object of type {type(obj).__name__}")
+
+    def _image(self, image: Image.Image) -> msgpack.ExtType:
+        if image.mode in _PALETTE_MODES:
+            raise WireEncodeError(
+                f"cannot encode a palette image (mode {image.mode!r}): its palette would be lost; "
+                "convert it first, e.g. image.convert('RGBA')"
+            )
+        data = np.frombuffer(image.tobytes(), np.uint8)
+        meta = [image.mode, list(image.size), self._reserve(data), data.nbytes]
+        return msgpack.ExtType(EXT_IMAGE, msgpack.packb(meta))
 
     def write_body(self, io: FrameIO) -> None:
         """Write everything but the commit trailer, one write per buffer."""
@@ -266,6 +300,36 @@ class EncodedFrame:
         return bytes(out)
 
 
+#: The factories whose empty product msgspec takes for a field's default (it omits such a field).
+_EMPTY_FACTORIES = (list, dict, set, bytearray)
+
+
+def _struct_fields(struct: msgspec.Struct) -> dict[str, Any] | list[Any]:
+    """What msgspec's own encoder writes for ``struct``, its values left to this encoder: its
+    fields by their encoded names (an ``array_like`` Struct's values in order), its tag if it has
+    one, and with ``omit_defaults`` no field whose value is its default (msgspec's test: the default
+    object itself, or an empty product of the default factory)."""
+    config = struct.__struct_config__
+    fields = msgspec.structs.fields(struct)
+    if config.array_like:
+        values = [getattr(struct, field.name) for field in fields]
+        return values if config.tag is None else [config.tag, *values]
+    out: dict[str, Any] = {} if config.tag is None else {config.tag_field: config.tag}
+    for field in fields:
+        value = getattr(struct, field.name)
+        if config.omit_defaults and _is_default(value, field):
+            continue
+        out[field.encode_name] = value
+    return out
+
+
+def _is_default(value: object, field: msgspec.structs.FieldInfo) -> bool:
+    if value is field.default:
+        return True
+    factory = field.default_factory
+    return factory in _EMPTY_FACTORIES and type(value) is factory and not value  # type: ignore[arg-type]
+
+
 def encode(obj: object) -> bytes:
     """Encode ``obj`` to a standalone frame."""
     return EncodedFrame(obj).to_bytes()
@@ -285,23 +349,24 @@ class _Ref(NamedTuple):
     shape: tuple[int, ...]
     start: int
     nbytes: int
+    #: An image's mode and size (its bytes are a flat uint8 buffer).
+    image: tuple[str, tuple[int, int]] | None = None
 
 
 def _dtype(code: int, name: object) -> torch.dtype | np.dtype:
+    """The dtype of a tensor's (``code`` EXT_TENSOR) or an ndarray's reference."""
     if code == EXT_TENSOR:
         dtype = TORCH_DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise WireDecodeError(f"unknown tensor dtype {name!r}")
         return dtype
-    if code == EXT_NDARRAY:
-        try:
-            np_dtype = np.dtype(name)  # type: ignore[call-overload]
-        except TypeError as e:
-            raise WireDecodeError(f"unknown ndarray dtype {name!r}") from e
-        if np_dtype.kind in "OV":
-            raise WireDecodeError(f"unsupported ndarray dtype {name!r}")
-        return np_dtype
-    raise WireDecodeError(f"unknown extension type {code}")
+    try:
+        np_dtype = np.dtype(name)  # type: ignore[call-overload]
+    except TypeError as e:
+        raise WireDecodeError(f"unknown ndarray dtype {name!r}") from e
+    if np_dtype.kind in "OV":
+        raise WireDecodeError(f"unsupported ndarray dtype {name!r}")
+    return np_dtype
 
 
 class _Refs:
@@ -315,15 +380,16 @@ class _Refs:
     def ext_hook(self, code: int, data: bytes) -> object:
         if code == EXT_LOST:
             raise WireDecodeError(f"its producer lost it: {data.decode(errors='replace')}")
-        try:
-            meta = msgpack.unpackb(data)
-        except Exception as e:
-            raise WireDecodeError(f"bad extension payload: {e}") from None
-        if not isinstance(meta, list) or len(meta) != 4:
-            raise WireDecodeError("bad extension payload shape")
+        if code not in _BUFFERED:
+            return _inline_ext(code, data)
+        meta = _unpack_meta(data, 4)
         dtype_name, raw_shape, offset, nbytes = meta
-        dtype = _dtype(code, dtype_name)
-        shape = _shape(raw_shape)
+        image = None
+        if code == EXT_IMAGE:
+            image = _image_mode(dtype_name), _image_size(raw_shape)
+            dtype, shape = np.dtype(np.uint8), (_image_nbytes(*image),)
+        else:
+            dtype, shape = _dtype(code, dtype_name), _shape(raw_shape)
         if not (isinstance(offset, int) and isinstance(nbytes, int)) or offset < 0 or nbytes < 0:
             raise WireDecodeError("bad buffer reference")
         expected = math.prod(shape) * dtype.itemsize
@@ -332,7 +398,7 @@ class _Refs:
         start = self._base + offset
         if nbytes and start + nbytes > self._body_size:
             raise WireDecodeError(f"buffer reference past end of frame ({start + nbytes} > {self._body_size})")
-        self.refs.append(_Ref(code, dtype, shape, start, nbytes))
+        self.refs.append(_Ref(code, dtype, shape, start, nbytes, image))
         return None
 
     def check_disjoint(self) -> None:
@@ -341,6 +407,67 @@ class _Refs:
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 raise WireDecodeError(f"overlapping buffer references (one ends at {end}, the next starts at {start})")
+
+
+def _unpack_meta(data: bytes, length: int) -> list[Any]:
+    """An extension's metadata: a msgpack list of ``length`` items."""
+    try:
+        meta = msgpack.unpackb(data)
+    except Exception as e:
+        raise WireDecodeError(f"bad extension payload: {e}") from None
+    if not isinstance(meta, list) or len(meta) != length:
+        raise WireDecodeError("bad extension payload shape")
+    return meta
+
+
+def _inline_ext(code: int, data: bytes) -> object:
+    """An extension that holds its own bytes: a user's ``msgspec.msgpack.Ext``, wrapped in
+    :data:`EXT_USER` (an extension the user packed with msgpack itself is refused here: upstream's
+    encoder refuses it at the put)."""
+    if code != EXT_USER:
+        raise WireDecodeError(f"unknown extension type {code}")
+    user_code, user_data = _unpack_meta(data, 2)
+    if not isinstance(user_code, int) or not -128 <= user_code <= 127 or not isinstance(user_data, bytes):
+        raise WireDecodeError(f"bad user extension [{user_code!r}, {type(user_data).__name__}]")
+    return msgspec.msgpack.Ext(user_code, user_data)
+
+
+def _image_mode(mode: object) -> str:
+    if not isinstance(mode, str) or mode in _PALETTE_MODES:
+        raise WireDecodeError(f"bad image mode {mode!r}")
+    return mode
+
+
+def _image_size(raw: object) -> tuple[int, int]:
+    size = _shape(raw)
+    if len(size) != 2:
+        raise WireDecodeError(f"bad image size {raw!r}")
+    return size[0], size[1]
+
+
+def _image_nbytes(mode: str, size: tuple[int, int]) -> int:
+    """The bytes of an image of ``mode`` and ``size``, found without allocating the image."""
+    try:
+        pixel = len(Image.new(mode, (1, 1)).tobytes())
+    except (ValueError, TypeError, KeyError) as e:
+        raise WireDecodeError(f"unknown image mode {mode!r}: {e}") from None
+    width, height = size
+    row = (width + 7) // 8 if mode == "1" else width * pixel  # ("1" packs eight pixels to a byte)
+    return row * height
+
+
+def _restore(ref: _Ref, value: object, raw: np.ndarray | None) -> object:
+    """The value handed out for ``ref`` once its bytes are read and checked: a tensor as it is,
+    an ndarray read-only (as upstream's, which views the received bytes), an image made of them."""
+    if ref.image is not None:
+        mode, size = ref.image
+        try:
+            return Image.frombytes(mode, size, b"" if raw is None else raw.tobytes())
+        except (ValueError, TypeError, OverflowError, MemoryError) as e:  # a size Pillow refuses
+            raise WireDecodeError(f"cannot make a {mode} image of size {size}: {e}") from None
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    return value
 
 
 def huge_page_memory(nbytes: int) -> np.ndarray:
@@ -481,5 +608,5 @@ class FrameDecoder:
             raise WireDecodeError(
                 f"checksum mismatch (XXH3 {checksum:#018x}, committed {self._committed:#018x}): corrupt bytes"
             )
-        values = iter(value for value, _ in self._values)
-        return _unpack(self._header, lambda code, data: next(values))
+        values = iter([_restore(ref, *value) for ref, value in zip(self._refs, self._values, strict=True)])
+        return _unpack(self._header, lambda code, data: next(values) if code in _BUFFERED else _inline_ext(code, data))
