@@ -37,6 +37,10 @@ POINTS: dict[str, tuple[str, str]] = {
     "shm.get.corrupt": ("note", "a consumed payload was not a committed, intact frame: a corrupt chunk [key]"),
     "shm.cleanup.begin": ("point", "an exact-key cleanup starts [key]"),
     "shm.cleanup.unlinked": ("note", "a cleanup removed a segment that existed (or cancelled a ring frame) [key]"),
+    "shm.cleanup.failed": (
+        "note",
+        "a cleanup could not remove the segment its put made: the key stays, the reap tries again [key, retries]",
+    ),
     "ring.full": (
         "note",
         "a put found the edge's ring full (or held) past its wait: it takes a segment [key, edge, bytes, held]",

@@ -27,7 +27,7 @@ from runtime.connectors import ring as rings
 from runtime.connectors.namespaces import Owner
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import Ring
-from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, Store
+from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, SegmentId, Store
 from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER, encode
 
 SIM_PID_NAMESPACE = "sim"
@@ -136,9 +136,9 @@ class ProcessStore:
             self.segments_opened.append(segment)
         return segment
 
-    def unlink_segment(self, key: str) -> bool:
+    def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
         self.check()
-        return self.store.unlink_segment(key)
+        return self.store.unlink_segment(key, only=only)
 
     def segment_exists(self, key: str) -> bool:
         self.check()

@@ -22,7 +22,7 @@ from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import RingSettings
 from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
-from runtime.connectors.stores import SPARE_MIN_BYTES, MemoryStore, Store
+from runtime.connectors.stores import SPARE_MIN_BYTES, MemoryStore, Store, StoreError
 from runtime.connectors.wire import BufferIO, EncodedFrame, WireDecodeError, encode
 
 
@@ -412,6 +412,93 @@ async def test_cleanup_prefix_ignores_untracked_keys(store: Store) -> None:
     assert await producer.cleanup_prefix("R_1_") == 0  # never a directory scan
     assert store.segments() == ["R_1_0"]
     await other.close()
+
+
+# -- a cleanup that fails (spec §2.12) ---------------------------------------------------------
+
+
+def failing_unlinks(store: Store, monkeypatch: pytest.MonkeyPatch, key: str, times: int) -> list[str]:
+    """Make the store's first ``times`` removals of ``key``'s segment fail as a file system can
+    (EACCES); the removals tried, in order, ``failed`` or ``done``."""
+    tried: list[str] = []
+    real = store.unlink_segment
+
+    def unlink_segment(name: str, **kwargs: Any) -> bool:
+        if name == key:
+            tried.append("failed" if len(tried) < times else "done")
+            if tried[-1] == "failed":
+                raise StoreError(f"cannot remove segment {name!r}: Permission denied")
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(store, "unlink_segment", unlink_segment)
+    return tried
+
+
+async def test_a_failed_cleanup_keeps_its_key_until_the_reap_removes_the_segment(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_1_0", "unread")
+    tried = failing_unlinks(store, monkeypatch, "R_1_0", times=1)
+    assert await conn.cleanup("R_1_0") is False
+    assert pending(conn) == ["R_1_0"]
+    assert residue(store) == (["R_1_0"], ["R_1_0"])  # (the lock file goes with its segment)
+    conn.reap_consumed()
+    assert tried == ["failed"]  # (not before its back-off)
+    await trio.sleep(shm_module.CLEANUP_RETRY_S)
+    conn.reap_consumed()
+    assert tried == ["failed", "done"]
+    assert pending(conn) == [] and residue(store) == ([], [])
+
+
+async def test_the_retries_of_a_cleanup_are_bounded_and_the_close_tries_once_more(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = ShmConnector(store)
+    await put(conn, "R_1_0", "unread")
+    tried = failing_unlinks(store, monkeypatch, "R_1_0", times=99)
+    await conn.cleanup("R_1_0")
+    for _ in range(8):
+        await trio.sleep(2 * shm_module.CLEANUP_RETRY_S)
+        conn.reap_consumed()
+    assert len(tried) == 1 + shm_module.CLEANUP_RETRIES
+    await conn.close()
+    assert len(tried) == 2 + shm_module.CLEANUP_RETRIES
+    assert pending(conn) == ["R_1_0"]  # (what it could not remove, it still names)
+    monkeypatch.undo()
+    store.sweep()
+
+
+async def test_the_retry_of_a_cleanup_leaves_a_later_puts_segment_of_the_same_name(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another producer's put of the same key (a restarted stage in the namespace) made a new
+    segment after the cleanup failed: the retry must not remove it, nor its lock file (#8082)."""
+    old, new, reader = ShmConnector(store), ShmConnector(store), ShmConnector(store)
+    await put(old, "R_1_0", "old generation")
+    failing_unlinks(store, monkeypatch, "R_1_0", times=1)
+    await old.cleanup("R_1_0")
+    await put(new, "R_1_0", "new generation")
+    await trio.sleep(shm_module.CLEANUP_RETRY_S)
+    old.reap_consumed()
+    await old.close()
+    assert residue(store) == (["R_1_0"], ["R_1_0"])
+    assert await get(reader, "R_1_0") == "new generation"
+
+
+async def test_a_put_again_of_a_key_whose_cleanup_failed_is_not_cleaned_up_by_the_retry(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn, reader = ShmConnector(store), ShmConnector(store)
+    await put(conn, "R_1_0", "old")
+    tried = failing_unlinks(store, monkeypatch, "R_1_0", times=1)
+    await conn.cleanup("R_1_0")
+    await put(conn, "R_1_0", "new")
+    before = len(tried)  # (a POSIX put removes the old segment first, the memory store's replaces it)
+    await trio.sleep(shm_module.CLEANUP_RETRY_S)
+    conn.reap_consumed()
+    assert len(tried) == before
+    assert await get(reader, "R_1_0") == "new"
 
 
 # -- reap ------------------------------------------------------------------------------------

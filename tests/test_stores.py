@@ -116,6 +116,37 @@ def test_reader_mapping_survives_replace_and_unlink(store: Store) -> None:
     seg.close()
 
 
+def test_an_unlink_of_one_segment_leaves_another_of_the_same_name(store: Store) -> None:
+    """What a cleanup of an old put relies on: the name's newer segment is not the one it made."""
+    first = store.create_segment("k")
+    first.reserve(8)
+    old = first.identity
+    first.close()
+    second = store.create_segment("k")
+    second.reserve(8)
+    assert second.identity != old
+    assert store.unlink_segment("k", only=old) is False
+    assert store.segments() == ["k"]
+    assert store.unlink_segment("k", only=second.identity) is True
+    assert store.unlink_segment("k", only=second.identity) is False
+    second.close()
+
+
+def test_a_segment_made_of_a_spare_is_another_segment(spare_store: Store) -> None:
+    made = spare_store.create_segment("R_1_0")
+    made.reserve(200)
+    made.close()
+    spare_store.retire_segment("R_1_0")
+    before = spare_store.create_segment("R_1_0")
+    empty = before.identity
+    before.reserve(200)  # takes the spare
+    assert spare_store.spares() == []
+    assert before.identity != empty
+    assert spare_store.unlink_segment("R_1_0", only=empty) is False
+    assert spare_store.unlink_segment("R_1_0", only=before.identity) is True
+    before.close()
+
+
 def test_open_missing_returns_none(store: Store) -> None:
     assert store.open_segment("missing") is None
     assert store.open_lock("missing", create=False) is None

@@ -47,6 +47,7 @@ from runtime.connectors.stores import (
     ForeignName,
     OpenHandles,
     RingMemory,
+    SegmentId,
     SparseSegment,
     StoreError,
     StoreFull,
@@ -181,6 +182,14 @@ class _PosixSegment:
         self.size = size
         self._on_close = on_close
         self._store = store
+
+    @property
+    def identity(self) -> SegmentId:
+        try:
+            st = os.fstat(self._fd)
+        except OSError as e:
+            raise StoreError(f"cannot stat segment {self._key!r}: {e.strerror}") from None
+        return st.st_dev, st.st_ino
 
     def reserve(self, size: int) -> None:
         spare = self._store._take_spare(self._key, self._fd, size) if self._store is not None else None
@@ -470,12 +479,21 @@ class PosixStore:
             raise
         return _PosixSegment(key, fd, st.st_size, self.handles.opened(f"segment {key}"))
 
-    def unlink_segment(self, key: str) -> bool:
+    def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
         path = self.segment_path(key)
         with _translated("remove segment", key):
             # (a name that is not ours is refused: a cleanup of a key whose chunk went on the
             # ring looks here too, and must not take a stranger's file for the key's segment)
-            return _is_ours(path, f"segment {key!r}") and _unlink(path)
+            if not _is_ours(path, f"segment {key!r}"):
+                return False
+            if only is not None:
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    return False
+                if (st.st_dev, st.st_ino) != only:
+                    return False
+            return _unlink(path)
 
     def segment_exists(self, key: str) -> bool:
         return os.path.lexists(self.segment_path(key))

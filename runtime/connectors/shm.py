@@ -41,7 +41,7 @@ from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk, PutResult
 from runtime.connectors.keys import InvalidKeyError, validate_key, validate_stage
 from runtime.connectors.ring import Ring, RingSettings, locked
-from runtime.connectors.stores import LockFile, Segment, SparseSegment, Store, StoreError
+from runtime.connectors.stores import LockFile, Segment, SegmentId, SparseSegment, Store, StoreError
 from runtime.connectors.wakeup import Wakeups
 from runtime.connectors.wire import (
     BufferIO,
@@ -66,6 +66,10 @@ LOCK_RETRY_S = 0.001
 LOCK_RETRY_MAX_S = 0.05
 #: The longest a put waits for a key's lock file before it fails.
 LOCK_TIMEOUT_S = 10.0
+#: A cleanup that failed to remove its segment (spec §2.12) keeps the key; the reap tries again
+#: this many times at most, after 0.1 s, then 0.2 s between tries; the close once more.
+CLEANUP_RETRIES = 3
+CLEANUP_RETRY_S = 0.1
 #: From this size on a put computes the frame's checksum beside the copy, not after it.
 PARALLEL_CHECKSUM_BYTES = 4 << 20
 
@@ -115,7 +119,12 @@ class ShmConnector:
             raise ValueError(f"lock_timeout_s must be a finite number of seconds >= 0, got {lock_timeout_s}")
         self.lock_timeout_s = lock_timeout_s
         self._wakeups = wakeups
-        self._pending_keys: OrderedDict[str, None] = OrderedDict()
+        #: The keys this connector put that may be unread, with the segment each put made (None:
+        #: on a ring, or not known): a cleanup removes that segment, never a later put's.
+        self._pending_keys: OrderedDict[str, SegmentId | None] = OrderedDict()
+        #: Pending keys whose cleanup failed to remove their segment: the retries made, and when
+        #: the reap may try again.
+        self._failed_cleanups: dict[str, tuple[int, float]] = {}
         #: Keys whose lock file this connector had to leave because someone held it (a reader
         #: in another process): removed by a later reap, once it is free.
         self._held_locks: dict[str, None] = {}
@@ -153,9 +162,10 @@ class ShmConnector:
             await self._take_turn(put_key)
             try:
                 on_ring = await self._put_on_ring(from_stage, to_stage, put_key, frame)
+                identity = None
                 if not on_ring:
                     try:
-                        await self._write_locked(put_key, frame)
+                        identity = await self._write_locked(put_key, frame)
                     except (StoreError, WireEncodeError):
                         raise  # (a failure it reports: it left nothing)
                     except BaseException:
@@ -163,7 +173,8 @@ class ShmConnector:
                         # prefix cleanup or the close removes it if no exact cleanup does.
                         self._pending_keys[put_key] = None
                         raise
-                self._pending_keys[put_key] = None
+                self._pending_keys[put_key] = identity
+                self._failed_cleanups.pop(put_key, None)  # (what a failed cleanup left, this put replaced)
             finally:
                 self._putting.discard(put_key)
             if self._closed:
@@ -419,7 +430,8 @@ class ShmConnector:
         if ring.room_was_wanted() and self._wakeups is not None:
             self._wakeups.notify(rings.room_channel(edge))
 
-    async def _write_locked(self, key: str, frame: EncodedFrame) -> None:
+    async def _write_locked(self, key: str, frame: EncodedFrame) -> SegmentId:
+        """Write ``frame`` to a new segment of ``key``; which segment it is."""
         # The lock file is taken *before* the segment exists and released only once the frame is
         # committed, so a non-blocking reader never finds a writer at work; and the commit
         # trailer goes last, so a reader after a writer that died mid-frame finds no commit.
@@ -437,6 +449,7 @@ class ShmConnector:
             await k.point("shm.put.written", key=key)
             frame.commit(created, checksum)
             await k.point("shm.put.committed", key=key)
+            return created.identity
         except StoreError:
             self._roll_back(key, created=segment is not None)
             raise
@@ -762,24 +775,42 @@ class ShmConnector:
         return self._remove_payload(key)
 
     def _remove_payload(self, key: str) -> bool:
-        """Forget ``key`` and remove its unread payload: its ring frame, or its segment and idle
-        lock file. True if there was one."""
+        """Forget ``key`` and remove its unread payload: its ring frame, or the segment its put
+        made (not a later put's of the same name) and the idle lock file. True if there was one.
+
+        A segment that cannot be removed (an error of the file system) keeps its key and its lock
+        file: the reap tries again (:data:`CLEANUP_RETRIES`), and so does the close."""
         k = current_kernel()
-        self._pending_keys.pop(key, None)
         if key in self._ring_keys:
+            self._pending_keys.pop(key, None)
             removed = self._cancel_ring_frame(key)
             if removed:
                 k.note("shm.cleanup.unlinked", key=key)
             return removed
+        identity = self._pending_keys.get(key)
         try:
-            removed = self.store.unlink_segment(key)
+            removed = self.store.unlink_segment(key, only=identity)
         except StoreError as e:
             log.warning("cleanup of %s: %s", key, e)
-            removed = False
+            if identity is not None:
+                self._cleanup_failed(key)
+            else:  # (not a segment this connector knows it made: nothing to try again with)
+                self._pending_keys.pop(key, None)
+            return False
+        self._pending_keys.pop(key, None)
+        self._failed_cleanups.pop(key, None)
         if removed:
             k.note("shm.cleanup.unlinked", key=key)
-        self._remove_idle_lock(key)
+        if removed or identity is None or not self.store.segment_exists(key):
+            self._remove_idle_lock(key)  # (a later put's segment keeps the lock file it goes with)
         return removed
+
+    def _cleanup_failed(self, key: str) -> None:
+        k = current_kernel()
+        retries, _ = self._failed_cleanups.get(key, (-1, 0.0))
+        retries += 1
+        self._failed_cleanups[key] = (retries, k.now() + CLEANUP_RETRY_S * 2 ** min(retries, 1))
+        k.note("shm.cleanup.failed", key=key, retries=retries)
 
     def _remove_idle_lock(self, key: str) -> None:
         """Remove the key's lock file unless someone holds it. A holder is a reader, which
@@ -818,17 +849,27 @@ class ShmConnector:
         (and the lock file a consumer that died before removing it left) and rotate those still
         unread to the back, so unread keys never starve the rest."""
         for _ in range(min(max_keys, len(self._pending_keys))):
-            key, _ = self._pending_keys.popitem(last=False)
+            key, identity = self._pending_keys.popitem(last=False)
             if key in self._ring_keys:
                 if self._on_ring(key):
                     self._pending_keys[key] = None
+            elif key in self._failed_cleanups:
+                self._pending_keys[key] = identity
+                self._retry_cleanup(key)
             elif self.store.segment_exists(key):
-                self._pending_keys[key] = None
+                self._pending_keys[key] = identity
             else:
                 self._remove_idle_lock(key)
         for key in list(self._held_locks)[:max_keys]:
             if key not in self._pending_keys and not self.store.segment_exists(key):
                 self._remove_idle_lock(key)
+
+    def _retry_cleanup(self, key: str) -> None:
+        """Try again to remove the segment a failed cleanup of ``key`` left, once its back-off
+        is over and while it has retries left (after those, the close tries once more)."""
+        retries, due = self._failed_cleanups[key]
+        if retries < CLEANUP_RETRIES and current_kernel().now() >= due:
+            self._remove_payload(key)
 
     def _on_ring(self, key: str) -> bool:
         """Whether ``key`` is still unread: its ring frame, or the frame marking it lost if its

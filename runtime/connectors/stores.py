@@ -76,8 +76,18 @@ class SparseSegment(StoreError):
     before the first is written), so what it holds is a corrupt chunk."""
 
 
+#: Which file a segment is (a device and an inode number, as ``stat`` gives them): a key's name
+#: may later hold another segment, of another put, and a cleanup must be able to tell.
+SegmentId = tuple[int, int]
+
+
 class Segment(FrameIO, Protocol):
     """An open segment: positional writes (a created one) and reads (an opened one)."""
+
+    @property
+    def identity(self) -> SegmentId:
+        """Which file this is (once reserved: a spare taken then is another file)."""
+        ...
 
     def reserve(self, size: int) -> None:
         """Give a new segment exactly ``size`` bytes, all backed now (StoreFull if they are not):
@@ -137,8 +147,9 @@ class Store(Protocol):
         """Open an existing segment (of any size, 0 included); None if there is none."""
         ...
 
-    def unlink_segment(self, key: str) -> bool:
-        """Remove segment ``key``; True only if this call removed it."""
+    def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
+        """Remove segment ``key``; with ``only``, only while the name holds that segment (a
+        later put's segment of the same name stays). True only if this call removed it."""
         ...
 
     def retire_segment(self, key: str) -> bool:
@@ -281,11 +292,14 @@ class _MemReader(BufferIO):
 class _MemSegment(_MemReader):
     """A segment in memory; a created one grows to its size once, as ``posix_fallocate`` does."""
 
-    def __init__(self, store: MemoryStore, key: str, data: bytearray, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, store: MemoryStore, key: str, data: bytearray, identity: SegmentId, on_close: Callable[[], None]
+    ) -> None:
         super().__init__(data, on_close)
         self._store = store
         self._key = key
         self._data = data
+        self.identity = identity
 
     def reserve(self, size: int) -> None:
         spare = self._store._take_spare(self._key, self._data, size)
@@ -299,6 +313,7 @@ class _MemSegment(_MemReader):
             self._on_close()
             self._on_close = self._store._opened(f"segment {self._key}", spare)
             self._data = spare
+            self.identity = self._store._identities[self._key]
         self._view = memoryview(self._data).cast("B")
 
 
@@ -373,6 +388,9 @@ class MemoryStore:
         self.spare_min_bytes = spare_min_bytes
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
+        #: What each segment's name holds, as a ``stat`` would tell it: a new number per file.
+        self._identities: dict[str, SegmentId] = {}
+        self._inode_numbers = itertools.count(1)
         #: Spares by name: the key each carried last.
         self._spares: dict[str, bytearray] = {}
         self._locks: dict[str, _LockInode] = {}
@@ -437,7 +455,12 @@ class MemoryStore:
         if key not in self._segments:
             self._name_made(key)
         data = self._segments[key] = bytearray()  # replaced, as a POSIX create unlinks the old name first
-        return _MemSegment(self, key, data, self._opened(f"segment {key}", data))
+        return _MemSegment(self, key, data, self._named(key), self._opened(f"segment {key}", data))
+
+    def _named(self, key: str) -> SegmentId:
+        """The identity of the new file the name ``key`` holds from now on."""
+        identity = self._identities[key] = (0, next(self._inode_numbers))
+        return identity
 
     def open_segment(self, key: str) -> BufferIO | None:
         data = self._segments.get(key)
@@ -445,8 +468,11 @@ class MemoryStore:
             return None
         return _MemReader(memoryview(data).toreadonly(), self._opened(f"segment {key}", data))
 
-    def unlink_segment(self, key: str) -> bool:
-        return self._segments.pop(key, None) is not None
+    def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
+        if key not in self._segments or (only is not None and self._identities[key] != only):
+            return False
+        del self._segments[key], self._identities[key]
+        return True
 
     def segment_exists(self, key: str) -> bool:
         return key in self._segments
@@ -455,6 +481,7 @@ class MemoryStore:
         data = self._segments.pop(key, None)
         if data is None:
             return False
+        del self._identities[key]
         # (a link: it never replaces a spare of that name, and on a tmpfs it takes a name of its own
         # until the key's is gone, so with no name left the segment goes, unkept)
         has_name = self.max_names is None or self.names_used() + 1 < self.max_names
@@ -481,6 +508,7 @@ class MemoryStore:
         data[at : at + len(zeros)] = zeros
         del self._spares[name]
         self._segments[key] = data
+        self._named(key)
         return data
 
     def _make_room(self, size: int) -> bool:
@@ -551,6 +579,7 @@ class MemoryStore:
         removed = [f"segment {k}" for k in self.segments()] + [f"lock {k}" for k in self.lock_files()]
         removed += [f"ring {k}" for k in self.rings()] + [f"spare {k}" for k in self.spares()]
         self._segments.clear()
+        self._identities.clear()
         self._spares.clear()
         self._locks.clear()
         self._rings.clear()
