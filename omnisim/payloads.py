@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from runtime.connectors.base import PutResult
-from runtime.connectors.shm import ShmConnector
+from runtime.connectors.shm import ShmConnector, resolve_get
 
 #: How deep :func:`fingerprint` and :func:`as_carried` look into nested containers: deeper than
 #: any payload the wire carries, and shallow enough for a hostile payload that nests without end.
@@ -78,7 +78,7 @@ def watch_payloads(connector: ShmConnector, offered: dict[str, set[Hashable]], r
         from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None, **kwargs: Any
     ) -> tuple[Any, int] | None:
         result = await get(from_stage, to_stage, get_key, metadata, **kwargs)
-        key = ShmConnector._resolve_key(get_key, metadata)
+        key, _ = resolve_get(get_key, metadata)
         if result is not None and fingerprint(result[0]) not in offered.get(key, set()):
             report(f"the get of {key} handed out a payload no put of {key} was asked to send")
         return result

@@ -70,6 +70,55 @@ async def close(*conns: ShmConnector) -> None:
         await conn.close()
 
 
+async def test_a_poll_for_a_chunk_not_there_takes_no_lock(store: Store) -> None:
+    """Upstream's rule: an empty poll never waits for the ring's lock (another reader holds it
+    while it copies a chunk out; one stopped mid-copy holds it until it goes on)."""
+    producer, consumer = pair(store)
+    await put(producer, "R_1_0", chunk(0))
+    assert await take(consumer, "R_1_0") is not None
+    await put(producer, "R_1_1", chunk(1))
+    other = store.open_ring("edge_1_2")
+    assert other is not None and other.try_lock()  # (a reader mid-copy)
+    started = trio.current_time()
+    for i in range(50):
+        assert await consumer.get("1", "2", f"R_1_{i + 2}") is None
+    assert trio.current_time() - started < rings.LOCK_WAIT_S  # (one wait for the lock would be this long)
+    assert await consumer.get("1", "2", "R_1_1") is None  # (there: the get waits for the lock, in vain)
+    other.unlock()
+    assert (await take(consumer, "R_1_1"))["i"] == 1
+    other.close()
+    await close(producer, consumer)
+
+
+def test_a_look_without_the_lock_tells_only_when_the_tail_stayed() -> None:
+    store = MemoryStore()
+    memory = store.create_ring("edge_1_2", SMALL.capacity)
+    ring = Ring.made(memory, None)
+    taken = ring.reserve("R_1_0", 100)
+    assert taken is not None and ring.commit(taken)
+    unread = ring.reserve("R_1_1", 100)
+    assert unread is not None and ring.commit(unread)
+    assert ring.lacks("R_1_9") and not ring.lacks("R_1_1")
+    ring.set_state(taken, rings.DONE)
+    real = Ring._find
+
+    def look_while_the_tail_moves(self: Ring, key: str, pos: int, head: int) -> Any:
+        found = real(self, key, pos, head)
+        self.release_finished()  # (another process, between the look and its check)
+        return found
+
+    Ring._find = look_while_the_tail_moves  # type: ignore[method-assign]
+    try:
+        assert not ring.lacks("R_1_9")  # (cannot tell: a frame it walked may have been rewritten)
+    finally:
+        Ring._find = real  # type: ignore[method-assign]
+    assert ring.lacks("R_1_9")
+    at = rings.HEADER_SIZE + unread.pos % ring.data_size
+    ring.view[at : at + 4] = b"\xff" * 4  # (a stray write over the unread frame's state)
+    assert not ring.lacks("R_1_9")  # (the look under the lock finds out)
+    ring.close()
+
+
 async def test_small_chunks_go_on_the_ring_and_round_trip(store: Store) -> None:
     producer, consumer = pair(store)
     for i in range(40):  # ten times round the ring

@@ -65,7 +65,8 @@ async def test_put_get_round_trip(store: Store) -> None:
     result = await conn.put("0", "1", "R_0_0", payload)
     assert result.ok
     assert result.size > 0
-    assert result.metadata == {"shm": {"name": "R_0_0", "size": result.size}, "size": result.size}
+    file = list(store.open_segment("R_0_0").identity)  # type: ignore[union-attr]
+    assert result.metadata == {"shm": {"name": "R_0_0", "size": result.size, "file": file}, "size": result.size}
     assert pending(conn) == ["R_0_0"]
     assert residue(store) == (["R_0_0"], ["R_0_0"])  # the writer leaves its lock file
 
@@ -105,6 +106,28 @@ async def test_get_by_metadata_handle(store: Store) -> None:
         await put(conn, "C_0_0", "c")
         got_c = await conn.get("0", "1", "C_0_0", junk)
         assert got_c is not None and got_c[0] == "c"
+    assert residue(store) == ([], [])
+
+
+@pytest.mark.parametrize("transport", ["segments", "ring"])
+async def test_the_handle_of_a_replaced_put_finds_nothing(store: Store, transport: str) -> None:
+    """A handle names one put's payload: once a later put of its key replaced it, the old handle
+    finds nothing (it never takes the later payload), the new one and the bare key find it."""
+    ring = RingSettings() if transport == "ring" else None
+    producer, consumer = ShmConnector(store, send_ring=ring), ShmConnector(store, receive_ring=ring)
+    old = (await producer.put("0", "1", "R_1_0", "old")).metadata
+    new = (await producer.put("0", "1", "R_1_0", "new")).metadata
+    assert ("frame" in new["shm"]) == (transport == "ring")
+    assert await consumer.get("0", "1", "R_1_0", old) is None
+    assert await consumer.get("0", "1", "R_1_0", new) == ("new", new["size"])
+    await put(producer, "R_1_0", "newer")
+    assert await get(consumer, "R_1_0") == "newer"  # (the key alone: whichever put is there)
+    big = (await producer.put("0", "1", "R_1_0", torch.zeros(1 << 20, dtype=torch.uint8))).metadata
+    assert "file" in big["shm"]  # (too large for a ring: a segment either way)
+    assert await consumer.get("0", "1", "R_1_0", old) is None
+    assert (await consumer.get("0", "1", "R_1_0", big))[1] == big["size"]  # type: ignore[index]
+    await producer.close()
+    await consumer.close()
     assert residue(store) == ([], [])
 
 

@@ -175,27 +175,31 @@ class _PosixSegment:
         size: int,
         on_close: Callable[[], None],
         store: PosixStore | None = None,
+        identity: SegmentId | None = None,
     ) -> None:
-        """``store``: where a new segment finds spares (none for an opened one)."""
+        """``store``: where a new segment finds spares (none for an opened one); ``identity``:
+        which file it is, if its opener knows (else it is asked when wanted)."""
         self._key = key
         self._fd = fd
         self.size = size
         self._on_close = on_close
         self._store = store
+        self._identity = identity
 
     @property
     def identity(self) -> SegmentId:
-        try:
-            st = os.fstat(self._fd)
-        except OSError as e:
-            raise StoreError(f"cannot stat segment {self._key!r}: {e.strerror}") from None
-        return st.st_dev, st.st_ino
+        if self._identity is None:
+            with _translated("look at segment", self._key):
+                st = os.fstat(self._fd)
+            self._identity = st.st_dev, st.st_ino
+        return self._identity
 
     def reserve(self, size: int) -> None:
         spare = self._store._take_spare(self._key, self._fd, size) if self._store is not None else None
         if spare is not None:
             os.close(self._fd)  # the empty segment it replaced under the key's name
             self._fd = spare
+            self._identity = None
             self.size = size
             return
 
@@ -477,7 +481,8 @@ class PosixStore:
         except BaseException:
             os.close(fd)
             raise
-        return _PosixSegment(key, fd, st.st_size, self.handles.opened(f"segment {key}"))
+        opened = self.handles.opened(f"segment {key}")
+        return _PosixSegment(key, fd, st.st_size, opened, identity=(st.st_dev, st.st_ino))
 
     def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
         path = self.segment_path(key)

@@ -41,7 +41,8 @@ and wakes the producer. (The lock orders the two, so the wakeup is never lost; a
 bounded all the same, after which the put takes a segment.)
 
 Nobody waits long for the lock. A reader stopped mid-copy (SIGSTOP) holds it until it goes on
-or dies; meanwhile puts take segments and gets look in segments.
+or dies; meanwhile puts take segments and gets look in segments. A get first looks for its key
+without the lock (:meth:`Ring.lacks`), so a poll for a chunk not there yet takes no lock at all.
 
 A cancel never waits for the lock: only the producer's process cancels, and only the producer
 reuses space, so between its check of a frame and its one-byte store nothing can reuse that
@@ -317,8 +318,26 @@ class Ring:
 
     def find(self, key: str) -> Frame | None:
         """The unread frame of ``key``, if the ring holds one."""
+        return self._find(key, *self._bounds())
+
+    def lacks(self, key: str) -> bool:
+        """Whether the ring surely holds no unread frame of ``key``, looked at *without* the lock,
+        so that a poll for a chunk not yet there takes no lock (False: look again under it).
+
+        Only the lock's holder moves the tail, and the producer writes only beyond the head and
+        behind the tail's last lap: while the tail stays where the look found it, no frame the
+        look walked was rewritten under it. So a look after which the tail has not moved saw
+        every frame as it was (its state may have moved on since, as after any look); one after
+        which it moved, or that met bytes that are not a ring's, cannot tell."""
+        try:
+            tail, head = self._bounds()
+            found = self._find(key, tail, head)
+        except RingCorrupt:
+            return False  # (the look under the lock finds out what is wrong)
+        return found is None and self.tail == tail
+
+    def _find(self, key: str, pos: int, head: int) -> Frame | None:
         encoded = key.encode("ascii")
-        pos, head = self._bounds()
         while pos < head:
             state, key_len, payload_len, span = self._described(pos, head)
             at = self._at(pos)

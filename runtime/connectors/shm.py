@@ -82,6 +82,32 @@ class ConnectorClosed(StoreError):
     """A put on a connector that is closed, or was closed before the put ended."""
 
 
+#: Which put's payload a handle names: the segment file it made, or its ring frame's position.
+PutId = SegmentId | int
+
+
+def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
+    """The key a get reads (spec §2.4), and which put's payload it may take (None: any).
+
+    Metadata keyed by ``get_key`` is unwrapped; a put's handle (``{"shm": {"name": key}}``) names
+    the key, and the segment file or ring frame that put made (a handle of an older put of the
+    key finds nothing: its payload was replaced); anything else, a handle naming no valid key
+    included, falls back to ``get_key``."""
+    if isinstance(metadata, dict) and isinstance(get_key, str) and get_key in metadata:
+        metadata = metadata[get_key]
+    shm = metadata.get("shm") if isinstance(metadata, dict) else None
+    if not isinstance(shm, dict) or shm.get("name") is None:
+        return get_key, None
+    try:
+        key = validate_key(shm["name"])
+    except InvalidKeyError:
+        return get_key, None
+    file, frame = shm.get("file"), shm.get("frame")
+    if isinstance(file, list) and len(file) == 2 and all(isinstance(n, int) for n in file):
+        return key, (file[0], file[1])
+    return key, frame if isinstance(frame, int) and not isinstance(frame, bool) else None
+
+
 class ShmConnector:
     """The shared-memory connector of one stage process."""
 
@@ -193,7 +219,12 @@ class ShmConnector:
         self._ring_puts += on_ring
         self._bytes += frame.size
         await k.point("shm.put.end", key=put_key)
-        return PutResult(True, frame.size, {"shm": {"name": put_key, "size": frame.size}, "size": frame.size})
+        handle: dict[str, Any] = {"name": put_key, "size": frame.size}
+        if identity is not None:
+            handle["file"] = list(identity)
+        elif put_key in self._ring_keys:
+            handle["frame"] = self._ring_keys[put_key][1]
+        return PutResult(True, frame.size, {"shm": handle, "size": frame.size})
 
     async def _take_turn(self, key: str) -> None:
         """Wait until no other put of ``key`` is in flight in this process — one key's payload
@@ -512,20 +543,6 @@ class ShmConnector:
 
     # -- get ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _resolve_key(get_key: str, metadata: object) -> str:
-        """The key a get reads (spec §2.4): metadata keyed by ``get_key`` is unwrapped; a put's
-        handle (``{"shm": {"name": key}}``) names it; anything else, a handle naming no valid
-        key included, falls back to ``get_key``."""
-        if isinstance(metadata, dict) and isinstance(get_key, str) and get_key in metadata:
-            metadata = metadata[get_key]
-        shm = metadata.get("shm") if isinstance(metadata, dict) else None
-        name = shm.get("name") if isinstance(shm, dict) else None
-        try:
-            return validate_key(name) if name is not None else get_key
-        except InvalidKeyError:
-            return get_key
-
     async def get(
         self,
         from_stage: str,
@@ -548,18 +565,21 @@ class ShmConnector:
         and the consumption, in this process or another.
         """
         k = current_kernel()
-        key = validate_key(self._resolve_key(get_key, metadata))
+        key, put = resolve_get(get_key, metadata)
+        validate_key(key)
         from_stage = validate_stage(from_stage, "from_stage")
         to_stage = validate_stage(to_stage, "to_stage")
         await k.point("shm.get.begin", key=key)
         if self._closed:
             return None  # (a closed connector maps nothing again: what it mapped, it let go)
         ring = self._receive_ring(from_stage, to_stage) if self.receive_ring else None
-        if ring is not None:
+        if ring is not None and not ring.lacks(key):
             try:
                 async with locked(ring.memory, wait_s=rings.LOCK_WAIT_S, key=key):
                     frame = ring.find(key)
                     if frame is not None:
+                        if put is not None and put != frame.pos:
+                            return None  # the key's payload now is a later put's
                         return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
             except rings.RingBusy:
                 pass  # another reader is copying out: the key may be in a segment all the same
@@ -587,7 +607,7 @@ class ShmConnector:
                 raise CorruptChunk(key, str(e)) from None
             except StoreError as e:
                 raise CorruptChunk(key, str(e)) from None
-            if segment is None or (claim is not None and not claim()):
+            if segment is None or (put is not None and segment.identity != put) or (claim is not None and not claim()):
                 if segment is not None:
                     segment.close()
                 return None

@@ -280,8 +280,9 @@ class _MemLock:
 class _MemReader(BufferIO):
     """An opened segment in memory: read-only, counted until it is closed."""
 
-    def __init__(self, data: Buffer, on_close: Callable[[], None]) -> None:
+    def __init__(self, data: Buffer, identity: SegmentId, on_close: Callable[[], None]) -> None:
         super().__init__(data)
+        self.identity = identity
         self._on_close = on_close
 
     def close(self) -> None:
@@ -295,11 +296,10 @@ class _MemSegment(_MemReader):
     def __init__(
         self, store: MemoryStore, key: str, data: bytearray, identity: SegmentId, on_close: Callable[[], None]
     ) -> None:
-        super().__init__(data, on_close)
+        super().__init__(data, identity, on_close)
         self._store = store
         self._key = key
         self._data = data
-        self.identity = identity
 
     def reserve(self, size: int) -> None:
         spare = self._store._take_spare(self._key, self._data, size)
@@ -462,11 +462,11 @@ class MemoryStore:
         identity = self._identities[key] = (0, next(self._inode_numbers))
         return identity
 
-    def open_segment(self, key: str) -> BufferIO | None:
+    def open_segment(self, key: str) -> _MemReader | None:
         data = self._segments.get(key)
         if data is None:
             return None
-        return _MemReader(memoryview(data).toreadonly(), self._opened(f"segment {key}", data))
+        return _MemReader(memoryview(data).toreadonly(), self._identities[key], self._opened(f"segment {key}", data))
 
     def unlink_segment(self, key: str, *, only: SegmentId | None = None) -> bool:
         if key not in self._segments or (only is not None and self._identities[key] != only):
