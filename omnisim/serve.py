@@ -104,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
                         received.append(signum)
                         # The engine first: every request in flight ends now with an error terminal
                         # its client is sent, so the server's graceful wait for them is short.
-                        engine.shutdown()
+                        engine.shutdown(f"the server was stopped ({signal.Signals(signum).name})")
                         stop.set()
                         return
 
@@ -115,7 +115,7 @@ def serve(args: argparse.Namespace) -> int:
                     raised in here it would come out in a group; None: a signal stopped them)."""
                     if why is not None:
                         not_up.append(why)
-                    engine.shutdown()
+                    engine.shutdown(why)
                     listening.cancel()
                     nursery.cancel_scope.deadline = trio.current_time() + 10.0  # the stages' grace, bounded
 

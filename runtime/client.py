@@ -20,7 +20,7 @@ import torch
 from runtime import serving
 from runtime.config.topology import OutputType
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.orchestrator import SHUT_DOWN, EngineOutput, EngineStopped, Orchestrator
+from runtime.orchestrator import EngineOutput, EngineStopped, Orchestrator
 from runtime.serving import EmittedSamplesTrim, OutputKind
 
 _request_ids = itertools.count()
@@ -74,7 +74,7 @@ async def generate(
         )
     except EngineStopped:
         kind = OutputType.AUDIO if OutputType.AUDIO in outputs else OutputType.TEXT
-        yield ClientOutput(kind, None, finished=True, error=SHUT_DOWN)
+        yield ClientOutput(kind, None, finished=True, error=engine.shutdown_error)
         return
     final_stages = {s.stage_id for s in engine.config.stages if s.final_output in outputs}
     trim = EmittedSamplesTrim() if params[-1].output_kind is OutputKind.CUMULATIVE else None

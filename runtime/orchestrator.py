@@ -150,6 +150,8 @@ class Orchestrator:
         self._release_needed = k.signal("orch.release")
         self._released = k.signal("orch.released")
         self._stopping = False
+        #: What a request that the shutdown ends, or that comes after it, is told.
+        self.shutdown_error = SHUT_DOWN
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -194,7 +196,7 @@ class Orchestrator:
                 self._fail(state, f"stage {name} died: {reason}")
                 self._maybe_complete(state)
         if not restarting:
-            self.shutdown()
+            self.shutdown(f"stage {name} died: {reason}")
 
     def health(self) -> dict[str, dict[str, Any]]:
         """Each stage's health, by name (``alive`` first)."""
@@ -209,17 +211,20 @@ class Orchestrator:
         while self.requests:
             await self._released.wait(IDLE_WAIT_S, ready=lambda: not self.requests)
 
-    def shutdown(self) -> None:
-        """Stop, gracefully: requests in flight end at once with an error terminal and are
-        aborted on every stage; once their release sweeps ran (or :data:`SHUTDOWN_GRACE_S`
-        passed) the stages stop and each connector removes what it still tracks. Idempotent."""
+    def shutdown(self, reason: str | None = None) -> None:
+        """Stop, gracefully: requests in flight end at once with an error terminal (saying
+        ``reason``, if given) and are aborted on every stage; once their release sweeps ran (or
+        :data:`SHUTDOWN_GRACE_S` passed) the stages stop and each connector removes what it still
+        tracks. Idempotent: the first reason stays."""
         if self._stopping:
             return
         self._stopping = True
+        if reason is not None:
+            self.shutdown_error = Unavailable(f"{SHUT_DOWN}: {reason}")
         for state in self.requests.values():
             if not state.closed:
                 self._abort_stages(state)
-                self._close(state, self._terminal(state, SHUT_DOWN))
+                self._close(state, self._terminal(state, self.shutdown_error))
         self._release_needed.notify()
         self._released.notify()  # a submit waiting for its id to be released gives up at once
 
