@@ -1392,8 +1392,8 @@ class _Signals:
         stop_requested.append("SIGTERM")
         on_int = signal.getsignal(signal.SIGINT)
         if not callable(on_int):
-            # Started with SIGINT ignored (a background job): nobody would turn it into a
-            # KeyboardInterrupt, so raise one here.
+            # SIGINT's handler was set to the default action or ignored since the start: nobody
+            # would turn it into a KeyboardInterrupt, so raise one here.
             raise KeyboardInterrupt
         # Exactly what SIGINT would have done at this instruction (trio's handler defers the
         # interrupt if it landed inside trio's own machinery) — unless that handler belongs to a
@@ -1408,10 +1408,22 @@ class _Signals:
     @contextmanager
     def installed(self) -> Iterator[_Signals]:
         previous = signal.signal(signal.SIGTERM, self._on_term)
+        # A background job of a script starts with SIGINT ignored. trio then installs no handler
+        # of its own, and SIGTERM would have to raise its interrupt wherever it lands, trio's own
+        # machinery included. So SIGINT is blocked instead (what the shell asked: it never comes
+        # through) and given Python's handler, which trio replaces with its own for SIGTERM to
+        # hand the stop to. Ignoring it again discards one that came meanwhile.
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        if ignored:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             yield self
         finally:
             signal.signal(signal.SIGTERM, previous)
+            if ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _interrupted(signals: _Signals, json_output: bool) -> int:

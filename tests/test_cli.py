@@ -622,18 +622,35 @@ def test_a_signal_stops_explore_cleanly(tmp_path: Path, sig: signal.Signals, sta
     assert stopped_after < 30  # a generous bound for a loaded machine; the note gives the figure
 
 
-def _a_long_exploration(cwd: Path, before: set[str], *argv: str) -> subprocess.Popen[str]:
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_sigterm_stops_explore_cleanly_when_it_started_with_sigint_ignored(tmp_path: Path, jobs: str) -> None:
+    """A background job of a script starts with SIGINT ignored, and keeps ignoring it; SIGTERM
+    still stops it in order (trio's own handler takes the stop, never an interrupt raised inside
+    trio's machinery): the summary, no traceback, nothing left."""
+    before = _shm_names()
+    proc = _a_long_exploration(tmp_path, before, "--jobs", jobs, sigint=signal.SIG_IGN)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # (ignored, as the shell asked)
+    time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "(interrupted)" in out and "stopped by SIGTERM" in err and "Traceback" not in err
+    assert not _made_by(proc.pid, _shm_names() - before)  # (other runs may make names meanwhile)
+
+
+def _a_long_exploration(cwd: Path, before: set[str], *argv: str, sigint: Any = signal.SIG_DFL) -> subprocess.Popen[str]:
     """``explore --all`` on /dev/shm, once its schedules run (each makes a namespace there),
-    however long its imports take."""
+    however long its imports take; SIGINT as a terminal's Ctrl-C finds it (``sigint``), even when
+    this test runs as a background job (which starts with SIGINT ignored, and a child inherits that)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnisim.cli", "explore", "--all", "--budget", "100000", "--store", "posix", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        # As a terminal's Ctrl-C finds it, even when this test runs as a background job (which
-        # starts with SIGINT ignored, and a child inherits that).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
     started = time.monotonic()
     while not _made_by(proc.pid, _shm_names() - before) and time.monotonic() - started < 120:
