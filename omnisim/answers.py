@@ -31,7 +31,7 @@ from runtime.connectors.base import CorruptChunk, PutResult
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.ring import edge_name
 from runtime.connectors.shm import ShmConnector
-from runtime.connectors.stores import Store
+from runtime.connectors.stores import SegmentId, Store, StoreError
 from runtime.kernel import current_kernel
 
 
@@ -48,6 +48,8 @@ class _Cleanup:
     unread_on: set[str] = field(default_factory=set)
     #: A segment the scenario planted stood at the key's name when the cleanup decided.
     planted_segment: bool = False
+    #: The segment that stood at the key's name when the cleanup decided, if any.
+    segment: SegmentId | None = None
 
 
 class Answers:
@@ -154,6 +156,7 @@ class Answers:
         store, key = self._raw(asked.connector.store), asked.key
         if store.segment_exists(key):
             if not self._planted(store, f"seg-{key}"):
+                asked.segment = _segment_at(store, key)
                 return True
             asked.planted_segment = True
         asked.unread_on = {e for e, view in self._rings(store) if e in asked.rings and key in ring_unread_keys(view)}
@@ -165,12 +168,27 @@ class Answers:
         itself): lost with it, not removed. A segment the scenario planted is removed if it is gone
         now (one of ours a cleanup may take or leave; a foreign one it must leave, which other
         checks see to)."""
-        if not asked.unread_on and not asked.planted_segment:
-            return bool(asked.unread)
         store = self._raw(asked.connector.store)
+        if not asked.unread_on and not asked.planted_segment:
+            # (the segment that stood there is gone: a store may refuse to remove it)
+            return bool(asked.unread) and _segment_at(store, asked.key) != asked.segment
         live = {edge for edge, view in self._rings(store) if not ring_retired(view)}
         removed = bool(asked.unread_on & live)
         return removed or (asked.planted_segment and not store.segment_exists(asked.key))
+
+
+def _segment_at(store: Store, key: str) -> SegmentId | None:
+    """Which segment the name ``key`` holds now, if one (of ours)."""
+    try:
+        segment = store.open_segment(key)
+    except StoreError:
+        return None
+    if segment is None:
+        return None
+    try:
+        return segment.identity
+    finally:
+        segment.close()
 
 
 def _put_answer(result: PutResult, key: str) -> str:

@@ -143,4 +143,5 @@ POINTS: dict[str, tuple[str, str]] = {
     "kernel.crash": ("note", "a task died with an exception [error]"),
     "fault": ("note", "an injected fault of the fault plan fired [kind, at, key where its point has one]"),
     "fault.os": ("note", "a system call of the store failed as the os_errors scenario made it [at, errno]"),
+    "fault.store": ("note", "the store refused a call as the failed_cleanup scenario made it [at, key]"),
 }

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 from omnisim.faults import InjectedCrash
 from omnisim.registry import Param, Params, scenario
 from omnisim.world import World
 from runtime.connectors.base import CorruptChunk
-from runtime.connectors.shm import ShmConnector
+from runtime.connectors.shm import CLEANUP_RETRY_S, ShmConnector
+from runtime.connectors.stores import StoreError
 from runtime.kernel import current_kernel
 from scenarios.crash import DATA_PLANE
 from scenarios.edge import CODE2WAV, CONSUMER_WAIT_S, TALKER, codec_frames, edge_scenario, edge_world
@@ -263,3 +265,64 @@ async def puts_of_one_key(world: World) -> None:
         what = f"what two gets of {key} take once both its puts ended"
         k.note("connector.answer", what=what, got=", ".join(takes), want=f"{last}, nothing")
     await talker.cleanup(key)
+
+
+#: The key whose segment the store refuses once to remove, and how many codec frames it carries
+#: (too many for a ring: a segment on every store).
+REFUSED, REFUSED_FRAMES = "F_1_0", 64
+
+
+def failed_cleanup_world(store_kind: str, params: Params) -> World:
+    return edge_world(store_kind)
+
+
+@scenario(
+    "failed_cleanup",
+    build=failed_cleanup_world,
+    summary="the store refuses once (EACCES) to remove the segment of an unread chunk its connector cleans up: the "
+    "connector keeps the key and its reap removes the segment once the back-off is over; or another connector of the "
+    "stage puts the key again meanwhile, and the retry leaves that segment and its lock file to its reader",
+    issue="spec §2.12 (a failed cleanup stays owned and is tried again; a cleanup removes only its own put's segment)",
+    invariants=DATA_PLANE,
+    params=(Param("then", ("reap", "put_again"), "what follows the failed cleanup: the reap, or another put first"),),
+)
+async def failed_cleanup(world: World) -> None:
+    k = current_kernel()
+    talker, code2wav = world.stages[TALKER].connector, world.stages[CODE2WAV].connector
+    edge = (str(TALKER), str(CODE2WAV))
+    store = talker.store
+    unlink_segment = store.unlink_segment
+    refusals = [REFUSED]
+
+    def refusing(key: str, **kwargs: Any) -> bool:
+        if key in refusals:
+            refusals.remove(key)
+            k.note("fault.store", at="unlink_segment", key=key)
+            raise StoreError(f"cannot remove segment {key!r}: Permission denied")
+        return unlink_segment(key, **kwargs)
+
+    store.unlink_segment = refusing  # type: ignore[method-assign]
+    payload = {"codes": {"audio": codec_frames(REFUSED_FRAMES)}}
+    with contextlib.suppress(InjectedCrash):
+        await talker.put(*edge, REFUSED, payload)
+    await talker.cleanup(REFUSED)
+    if world.params["then"] == "put_again":
+        process = world.stages[TALKER].process
+        other = ShmConnector(store, stage_id=TALKER, wakeups=world.wakeups_of(process), **world.transport())
+        world.watch_connector(other)
+        fired = len(world.fired_faults())
+        again = None
+        with contextlib.suppress(InjectedCrash):
+            again = await other.put(*edge, REFUSED, payload)
+        await k.sleep(2 * CLEANUP_RETRY_S)
+        talker.reap_consumed()  # (the retry, once its back-off is over)
+        taken = None
+        with contextlib.suppress(CorruptChunk):  # (an injected decode failure: consumed all the same)
+            taken = await code2wav.get(*edge, REFUSED)
+        put_ok = again is not None and again.ok and len(world.fired_faults()) == fired
+        message = f"the retry of the old cleanup of {REFUSED} removed another connector's segment of it"
+        world.probe("exact-key-ownership", not put_ok or taken is not None, message)
+        await other.close()
+    else:
+        await k.sleep(2 * CLEANUP_RETRY_S)
+        talker.reap_consumed()

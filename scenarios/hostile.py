@@ -263,6 +263,19 @@ async def hostile_keys_and_payloads(world: World) -> None:
                 f"a get whose metadata is {name}", f"{got} {taken is not None and same(payload, taken[0])}", "ok True"
             )
 
+    # A handle names one put's payload: once a later put of its key replaced that payload, the
+    # handle finds nothing (never the later payload), and the later put's handle finds it.
+    fired, key = len(world.fired_faults()), "replaced_0_0"
+    _, old = await outcome(lambda: sender.put(*edge, key, {"x": "old"}))
+    _, new = await outcome(lambda: sender.put(*edge, key, {"x": "new"}))
+    if old is not None and new is not None and old.ok and new.ok:
+        stale, by_old = await outcome(lambda: receiver.get(*edge, key, old.metadata))
+        fresh, by_new = await outcome(lambda: receiver.get(*edge, key, new.metadata))
+        if len(world.fired_faults()) == fired:
+            got = f"{stale} {by_old is None}, {fresh} {by_new is not None and same({'x': 'new'}, by_new[0])}"
+            note_case("a get by the handle of a replaced put, then by its replacement's", got, "ok True, ok True")
+    await outcome(lambda: sender.cleanup(key))  # (what an injected fault left unread)
+
     line_keys = {f"a key of {n} characters": (edge, "k" * (n - 4) + "_0_0", {"x": n}) for n in LINE_KEY_LENGTHS}
     cases = {"the longest key": (edge, LONGEST_KEY, {"x": 1}), **line_keys}
     cases |= {name: (edge, f"good_{i}_0", payload) for i, (name, payload) in enumerate(good_payloads().items(), 1)}
