@@ -9,12 +9,15 @@ sends, so a wire format that turns a list into a tuple, drops a key or changes a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import xxhash
+from PIL import Image
 
 from runtime.connectors.base import PutResult
 from runtime.connectors.shm import ShmConnector, resolve_get
@@ -48,14 +51,30 @@ def fingerprint(obj: object, depth: int = DEPTH) -> Hashable:
         return (type(obj).__name__, xxhash.xxh3_64_intdigest(obj))
     if isinstance(obj, float):
         return ("float", obj.hex())  # (NaN equals itself here, as its bytes do)
+    if isinstance(obj, Image.Image):
+        return ("image", obj.mode, obj.size, xxhash.xxh3_64_intdigest(obj.tobytes()))
+    if isinstance(obj, msgspec.msgpack.Ext):
+        return ("ext", obj.code, xxhash.xxh3_64_intdigest(obj.data))
     return (type(obj).__name__, repr(obj))  # (an array of objects or a sparse tensor: no put takes one)
 
 
 def as_carried(obj: object, depth: int = DEPTH) -> object:
     """``obj`` as the wire carries it: msgpack has one array type, so a tuple arrives as a list,
-    except as a map's key (a list cannot be one), where it stays a tuple."""
+    except as a map's key (a list cannot be one), where it stays a tuple; and as upstream's
+    receiver gets what else its serializer carries (spec §2.8): a slice as ``[start, stop, step]``,
+    a dataclass as a map of its fields, a ``msgspec.Struct`` as a map of its fields by their encoded
+    names, without those that hold their default where it omits defaults (the harness's model:
+    no tags, no ``array_like``, no default factories — the scenarios' Structs have none)."""
     if not depth:
         return obj
+    if isinstance(obj, slice):
+        return [obj.start, obj.stop, obj.step]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    elif isinstance(obj, msgspec.Struct):
+        omit = obj.__struct_config__.omit_defaults
+        fields = msgspec.structs.fields(obj)
+        obj = {f.encode_name: getattr(obj, f.name) for f in fields if not (omit and getattr(obj, f.name) is f.default)}
     if isinstance(obj, dict):
         return {k: as_carried(v, depth - 1) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -21,6 +21,7 @@ boundary, and the schedule still interleaves them with the stages' own loops.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -28,6 +29,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from PIL import Image
@@ -156,12 +158,57 @@ def good_payloads() -> dict[str, object]:
     }
 
 
+@dataclasses.dataclass
+class _Meta:
+    finished: bool
+    left_context_size: int
+
+
+class _Codes(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    audio: object = None
+    left_context_size: int | None = None
+
+
+def image(mode: str, size: tuple[int, int] = (9, 3)) -> Image.Image:
+    """An image of ``mode`` whose pixels differ."""
+    nbytes = len(Image.new(mode, size).tobytes())
+    return Image.frombytes(mode, size, (bytes(range(1, 252)) * (nbytes // 251 + 1))[:nbytes])
+
+
+def translated_payloads() -> dict[str, tuple[object, object]]:
+    """Payloads the wire hands over as upstream's receiver gets them (spec §2.8), next to what
+    the receiver must get."""
+    return {
+        "a dataclass": ({"meta": _Meta(True, 25)}, {"meta": {"finished": True, "left_context_size": 25}}),
+        "a struct that omits its defaults": (
+            {"codes": _Codes(audio=torch.arange(4))},
+            {"codes": {"audio": torch.arange(4)}},
+        ),
+        "a slice": ({"s": slice(1, 7, 2), "open": slice(None, 3)}, {"s": [1, 7, 2], "open": [None, 3, None]}),
+        "an extension": ({"e": msgspec.msgpack.Ext(42, b"x" * 20)}, {"e": msgspec.msgpack.Ext(42, b"x" * 20)}),
+        "images": ({m: image(m) for m in IMAGE_MODES}, {m: image(m) for m in IMAGE_MODES}),
+    }
+
+
+#: Image modes with one, several and a fraction of a byte per pixel.
+IMAGE_MODES = ("1", "L", "RGB", "I;16", "F")
+
+
 def same(a: object, b: object) -> bool:
-    """Equal in value, type, dtype and shape (a tensor's strides need not survive)."""
+    """Equal in value, type, dtype and shape (a tensor's strides need not survive); an ndarray
+    arrives read-only (as upstream's receiver views the bytes), an image with its mode and size."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b)
+            and not b.flags.writeable
+        )
+    if isinstance(a, Image.Image):
+        return isinstance(b, Image.Image) and (a.mode, a.size, a.tobytes()) == (b.mode, b.size, b.tobytes())
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
@@ -283,11 +330,14 @@ async def hostile_keys_and_payloads(world: World) -> None:
         f"a chunk from stage {stages[0]!r} to stage {stages[1]!r}": (stages, f"edgeless_{i}_0", {"x": i})
         for i, stages in enumerate(EDGELESS_STAGES)
     }
+    translated = translated_payloads()
+    cases |= {name: (edge, f"carried_{i}_0", sent) for i, (name, (sent, _)) in enumerate(translated.items())}
     for name, (stages, key, payload) in cases.items():
         fired = len(world.fired_faults())
         put_got, put = await outcome(lambda s=stages, key=key, payload=payload: sender.put(*s, key, payload))  # type: ignore[misc]
         got, taken = await outcome(lambda s=stages, key=key: receiver.get(*s, key))  # type: ignore[misc]
-        came_back = got == "ok" and taken is not None and same(payload, taken[0])
+        want = translated[name][1] if name in translated else payload
+        came_back = got == "ok" and taken is not None and same(want, taken[0])
         seen = ROUND_TRIP if came_back else f"{got}: {taken!r}"[:200]
         if len(world.fired_faults()) > fired:
             # An injected fault struck the put or the get: it must fail cleanly, never hand back
