@@ -195,9 +195,10 @@ class ShmConnector:
                     except (StoreError, WireEncodeError):
                         raise  # (a failure it reports: it left nothing)
                     except BaseException:
-                        # It may have left its segment (a bug, an interrupted call): tracked, so a
-                        # prefix cleanup or the close removes it if no exact cleanup does.
-                        self._pending_keys[put_key] = None
+                        # It may have left its segment (a bug, an interrupted call): tracked (as
+                        # the segment it made, once made), so a prefix cleanup or the close
+                        # removes it if no exact cleanup does.
+                        self._pending_keys.setdefault(put_key, None)
                         raise
                 self._pending_keys[put_key] = identity
                 self._failed_cleanups.pop(put_key, None)  # (what a failed cleanup left, this put replaced)
@@ -475,6 +476,7 @@ class ShmConnector:
             await k.point("shm.put.created", key=key, via="segment")
             created = segment
             created.reserve(frame.size)
+            self._pending_keys[key] = created.identity  # (a put that raises from here on left it)
             await k.point("shm.put.reserved", key=key, bytes=frame.size)
             checksum = await self._write_body(frame, created)
             await k.point("shm.put.written", key=key)
@@ -511,6 +513,8 @@ class ShmConnector:
 
     def _roll_back(self, key: str, *, created: bool) -> None:
         """Undo a failed put while still holding the key's lock (no reader can be inside)."""
+        if created:  # (its segment replaced any older one of the key: nothing of it is left to track)
+            self._pending_keys.pop(key, None)
         try:
             if created:
                 self.store.unlink_segment(key)
