@@ -125,13 +125,14 @@ async def cancelled_write_space(world: World) -> None:
         await talker.cleanup(key)
 
 
-def replaced_world(store_kind: str, params: Params) -> World:
+def params_world(store_kind: str, params: Params) -> World:
+    """The edge's world, for a scenario whose parameters change only what its body does."""
     return edge_world(store_kind)
 
 
 @scenario(
     "producer_replaced",
-    build=replaced_world,
+    build=params_world,
     summary="the Talker's connector closes while Code2Wav still has its ring mapped, and a new connector of the same "
     "stage takes over the edge (as a stage rebuilt in its process does), or the old one closes only once the new one "
     "made its ring: Code2Wav lets go of the old ring and takes the new connector's chunks, the old close leaves the "
@@ -272,13 +273,9 @@ async def puts_of_one_key(world: World) -> None:
 REFUSED, REFUSED_FRAMES = "F_1_0", 64
 
 
-def failed_cleanup_world(store_kind: str, params: Params) -> World:
-    return edge_world(store_kind)
-
-
 @scenario(
     "failed_cleanup",
-    build=failed_cleanup_world,
+    build=params_world,
     summary="the store refuses once (EACCES) to remove the segment of an unread chunk its connector cleans up: the "
     "connector keeps the key and its reap removes the segment once the back-off is over; or another connector of the "
     "stage puts the key again meanwhile, and the retry leaves that segment and its lock file to its reader",
