@@ -561,7 +561,7 @@ def _explore_with_hypothesis(
     violation, shrink the schedule; the reported and saved run is the shrunk one."""
     budget, mutant = result.budget, result.mutant
     failing: list[tuple[RunResult, list[int]]] = []
-    shrink_runs: list[str] = []
+    shrink_runs = 0
     start = time.perf_counter()
 
     @hypothesis.settings(
@@ -574,6 +574,7 @@ def _explore_with_hypothesis(
     @hypothesis.seed(seed)
     @hypothesis.given(SCHEDULES)
     def schedule_holds(choices: list[int]) -> None:
+        nonlocal shrink_runs
         if stop_requested:
             raise KeyboardInterrupt
         if not failing and time_limit is not None and time.perf_counter() - start > time_limit:
@@ -586,7 +587,7 @@ def _explore_with_hypothesis(
         if stop_requested:
             raise KeyboardInterrupt
         if failing:  # Hypothesis shrinks the find: these runs are not schedules of the search
-            shrink_runs.append(res.trace_digest)
+            shrink_runs += 1
         else:
             result.schedules += 1
             result.traces.add(res.trace_digest)
@@ -612,7 +613,7 @@ def _explore_with_hypothesis(
             # Decisions the drawn schedule steered away from the first runnable task.
             "steered_choices": sum(1 for c in steered if c),
             "steered_choices_before_shrinking": sum(1 for c in failing[0][1] if c),
-            "shrink_runs": len(shrink_runs),
+            "shrink_runs": shrink_runs,
         }
         if out_dir is not None:
             entry["artifact"] = result.artifact = save_artifact(shrunk, out_dir, plugins)

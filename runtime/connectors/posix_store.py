@@ -136,13 +136,19 @@ def _ours(st: os.stat_result) -> bool:
 
 def _is_ours(path: str, what: str) -> bool:
     """Whether ``path`` exists (ours to replace); :class:`ForeignName` if it is not ours."""
+    return _own_status(path, what) is not None
+
+
+def _own_status(path: str, what: str) -> os.stat_result | None:
+    """The status of ``path`` if it exists and is ours; None if nothing has that name;
+    :class:`ForeignName` if it is not ours."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return False
+        return None
     if not _ours(st):
         raise ForeignName(f"cannot create {what}: its name is taken by something that is not ours")
-    return True
+    return st
 
 
 def _names_file(path: str, fd: int) -> bool:
@@ -489,15 +495,9 @@ class PosixStore:
         with _translated("remove segment", key):
             # (a name that is not ours is refused: a cleanup of a key whose chunk went on the
             # ring looks here too, and must not take a stranger's file for the key's segment)
-            if not _is_ours(path, f"segment {key!r}"):
+            st = _own_status(path, f"segment {key!r}")
+            if st is None or (only is not None and (st.st_dev, st.st_ino) != only):
                 return False
-            if only is not None:
-                try:
-                    st = os.lstat(path)
-                except FileNotFoundError:
-                    return False
-                if (st.st_dev, st.st_ino) != only:
-                    return False
             return _unlink(path)
 
     def segment_exists(self, key: str) -> bool:

@@ -462,7 +462,7 @@ def _restore(ref: _Ref, value: object, raw: np.ndarray | None) -> object:
     if ref.image is not None:
         mode, size = ref.image
         try:
-            return Image.frombytes(mode, size, b"" if raw is None else raw.tobytes())
+            return Image.frombytes(mode, size, b"" if raw is None else raw)
         except (ValueError, TypeError, OverflowError, MemoryError) as e:  # a size Pillow refuses
             raise WireDecodeError(f"cannot make a {mode} image of size {size}: {e}") from None
     if isinstance(value, np.ndarray):
