@@ -826,24 +826,33 @@ def _explore_in_processes(
     and what they ran is reported before the interrupt goes on up."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+    from multiprocessing import resource_tracker
 
     from omnisim.progress import LIVE_EVERY_S
 
     context = multiprocessing.get_context("spawn")
     live = progress.campaign_bar()
-    # Workers report what they have run so far here, for the live bar (a SimpleQueue: no feeder thread).
-    sofar = context.SimpleQueue() if live is not None else None
-    pool = ProcessPoolExecutor(
-        processes,
-        mp_context=context,
-        initializer=init_worker,
-        initargs=(plugins, logging.getLogger().level, sofar),
-    )
     # The workers are started by the first submits, and are born ignoring Ctrl-C (an ignored
     # signal stays ignored across exec): one pressed while they import would end them with a
-    # traceback each, before their initializer could say the parent decides.
+    # traceback each, before their initializer could say the parent decides. And CPython's
+    # resource tracker (which the pool's queues need) unblocks SIGINT and SIGTERM in this thread
+    # as it starts: it is started first and the mask put back (_Signals may block SIGINT), so
+    # that the pool's threads are born with it.
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        try:
+            resource_tracker.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # Workers report what they have run so far here, for the live bar (a SimpleQueue: no feeder thread).
+        sofar = context.SimpleQueue() if live is not None else None
+        pool = ProcessPoolExecutor(
+            processes,
+            mp_context=context,
+            initializer=init_worker,
+            initargs=(plugins, logging.getLogger().level, sofar),
+        )
         futures: list[Future[dict[str, Any]]] = [
             pool.submit(explore_job, scenario, kwargs, i) for i, (scenario, kwargs) in enumerate(jobs)
         ]

@@ -633,6 +633,9 @@ def test_sigterm_stops_explore_cleanly_when_it_started_with_sigint_ignored(tmp_p
     proc.send_signal(signal.SIGINT)  # (ignored, as the shell asked)
     time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()
+    # Luck alone would let a SIGINT that got through look ignored (it would be taken only when the
+    # next exploration ends): whatever the process has started since, no thread of it can take one.
+    assert not _threads_taking_sigint(proc.pid), proc.communicate()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
@@ -657,6 +660,18 @@ def _a_long_exploration(cwd: Path, before: set[str], *argv: str, sigint: Any = s
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     return proc
+
+
+def _threads_taking_sigint(pid: int) -> list[str]:
+    """The threads of ``pid`` that a SIGINT would be delivered to (neither ignored nor blocked)."""
+    bit = 1 << (signal.SIGINT - 1)
+    taking = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            masks = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        if not (int(masks["SigIgn"], 16) | int(masks["SigBlk"], 16)) & bit:
+            taking.append(task)
+    return taking
 
 
 def _made_by(pid: int, names: set[str]) -> bool:
