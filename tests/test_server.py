@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import soundfile
 from conftest import left_behind, shm_names
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.sync.client import connect
@@ -177,6 +178,37 @@ def test_speech_create_returns_a_wav(client: openai.OpenAI) -> None:
     assert _pcm(wav) == _speech_pcm_alone(client)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "media", "lossless"),
+    [("flac", "audio/flac", True), ("mp3", "audio/mpeg", False), ("opus", "audio/ogg", False)],
+)
+def test_speech_in_a_compressed_format_is_that_file_of_the_same_audio(
+    client: openai.OpenAI, fmt: str, media: str, lossless: bool
+) -> None:
+    """As upstream writes them (libsndfile): FLAC gives back the very samples; MP3 and Opus, a
+    file a decoder reads at the same rate and about the same length (their codecs add padding)."""
+    response = client.audio.speech.create(model="qwen3_omni", voice="default", input=TEXT, response_format=fmt)  # type: ignore[arg-type]
+    assert response.response.headers["content-type"] == media
+    samples, rate = soundfile.read(io.BytesIO(response.content), dtype="int16")
+    pcm = _speech_pcm_alone(client)
+    if lossless:
+        assert samples.tobytes() == pcm
+    assert rate == RATE and abs(len(samples) - len(pcm) // 2) < RATE // 10
+
+
+def test_chat_audio_in_flac_is_the_same_samples(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="qwen3_omni",
+        messages=[{"role": "user", "content": TEXT}],
+        modalities=["audio"],
+        audio={"format": "flac", "voice": "default"},
+    )
+    audio = answer.choices[0].message.audio
+    assert audio is not None
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)), dtype="int16")
+    assert rate == RATE and samples.tobytes() == _speech_pcm_alone(client)
+
+
 def test_speech_sse_sends_each_sample_once_then_done_with_usage(server: Running) -> None:
     events = _sse_events(server, "/v1/audio/speech", {"input": TEXT, "stream": True})
     kinds = [e["type"] for e in events]
@@ -313,7 +345,12 @@ def test_health_and_metrics(server: Running) -> None:
         ("/v1/audio/speech", json.dumps({"input": ""}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "x" * 20_001}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "hi", "speed": "fast"}).encode(), 400),
-        ("/v1/audio/speech", json.dumps({"input": "hi", "response_format": "mp3"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "response_format": "aac"}).encode(), 400),
+        (
+            "/v1/audio/speech",
+            json.dumps({"input": "hi", "response_format": "mp3", "stream_format": "audio"}).encode(),
+            400,
+        ),
         ("/v1/audio/speech", json.dumps({"input": "hi", "stream": "yes"}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "hi", "max_new_tokens": True}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),

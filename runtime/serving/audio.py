@@ -1,10 +1,13 @@
-"""Audio as the wire carries it: 16-bit little-endian mono PCM, alone or in a RIFF/WAVE file."""
+"""Audio as the wire carries it: 16-bit little-endian mono PCM, alone or in a RIFF/WAVE file, or
+compressed (MP3, FLAC, Opus in Ogg) as upstream's server writes them, with libsndfile."""
 
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
+import soundfile
 import torch
 
 #: The data size a streamed WAV header announces: unknown yet, so the largest (players read to EOF).
@@ -44,6 +47,30 @@ def wav(audio: torch.Tensor, sample_rate: int) -> bytes:
     return wav_header(sample_rate, len(data)) + data
 
 
+#: Each compressed format: libsndfile's container and subtype (None: the container's default).
+COMPRESSED: dict[str, tuple[str, str | None]] = {"mp3": ("MP3", None), "flac": ("FLAC", None), "opus": ("OGG", "OPUS")}
+
+#: The media type of a response in each format (upstream's).
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "pcm16": "audio/pcm",
+    "mp3": "audio/mpeg",
+    "flac": "audio/flac",
+    "opus": "audio/ogg",
+}
+
+
 def encode(audio: torch.Tensor, fmt: str, sample_rate: int) -> bytes:
-    """``wav`` (a whole file) or ``pcm``/``pcm16`` (raw samples)."""
-    return wav(audio, sample_rate) if fmt == "wav" else pcm16(audio)
+    """``wav`` (a whole file), ``pcm``/``pcm16`` (raw samples), or a whole file of a
+    :data:`COMPRESSED` format — of no samples, an empty body, as libsndfile writes it."""
+    if fmt == "wav":
+        return wav(audio, sample_rate)
+    if fmt not in COMPRESSED:
+        return pcm16(audio)
+    container, subtype = COMPRESSED[fmt]
+    # The same 16-bit samples every other format carries, so that all of them sound alike.
+    samples = np.frombuffer(pcm16(audio), "<i2")
+    with io.BytesIO() as out:
+        soundfile.write(out, samples, sample_rate, format=container, subtype=subtype)
+        return out.getvalue()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -39,7 +40,7 @@ from runtime.kernel import current_kernel
 from runtime.models.aligner import WordTimestamp
 from runtime.models.code2wav import SAMPLE_RATE
 from runtime.orchestrator import ABORTED, Orchestrator, Unavailable
-from runtime.serving.audio import encode, pcm16, wav_header
+from runtime.serving.audio import COMPRESSED, MEDIA_TYPES, encode, pcm16, wav_header
 from runtime.serving.metrics import Playback, ServingMetrics
 from runtime.serving.requests import ApiError, SessionConfig, parse_chat, parse_session_config, parse_speech
 
@@ -129,7 +130,7 @@ class Server:
         if "audio" in chat.modalities:
             clip = {
                 "id": f"audio-{rid}",
-                "data": base64.b64encode(encode(audio, _wire_format(chat.audio_format), SAMPLE_RATE)).decode(),
+                "data": base64.b64encode(await _encoded(audio, chat.audio_format)).decode(),
                 "expires_at": int(_wall_clock()) + AUDIO_EXPIRES_S,
                 "transcript": "",
             }
@@ -175,7 +176,7 @@ class Server:
                     said.append(out.data)
                     yield chunk("text", {"role": "assistant", "content": out.data})
                 elif out.kind is OutputType.AUDIO:
-                    data = base64.b64encode(encode(out.data, _wire_format(audio_format), SAMPLE_RATE)).decode()
+                    data = base64.b64encode(await _encoded(out.data, audio_format)).decode()
                     yield chunk("audio", {"role": "assistant", "content": data}, audio=out.data)
         if error is not None:
             yield _request_failed(error).body()
@@ -202,7 +203,7 @@ class Server:
         if speech.stream_format == "sse":
             return _sse(_speech_events(speech.text, outputs), named=True)
         if speech.stream_format == "audio":
-            media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
+            media = MEDIA_TYPES[speech.response_format]
             return _Streamed(_raw_audio(speech.response_format, outputs), media_type=media)
         collected = await _collect_unless_gone(request, outputs)
         if collected is None:
@@ -222,8 +223,8 @@ class Server:
             else:
                 omitted = f"oversize; bytes={len(value)}; limit={WORD_TIMESTAMPS_HEADER_CAP}"
                 headers["X-Word-Timestamps-Omitted"] = omitted
-        media = "audio/wav" if speech.response_format == "wav" else "audio/pcm"
-        return Response(encode(audio, speech.response_format, SAMPLE_RATE), media_type=media, headers=headers)
+        body = await _encoded(audio, speech.response_format)
+        return Response(body, media_type=MEDIA_TYPES[speech.response_format], headers=headers)
 
     # -- the WebSocket --------------------------------------------------------------------------
 
@@ -595,8 +596,12 @@ def _timestamps(stamps: Iterable[WordTimestamp]) -> list[dict[str, Any]]:
     return [{"word": t.word, "start_ms": round(t.start_ms), "end_ms": round(t.end_ms)} for t in stamps]
 
 
-def _wire_format(audio_format: str) -> str:
-    return "pcm" if audio_format == "pcm16" else audio_format
+async def _encoded(audio: torch.Tensor, fmt: str) -> bytes:
+    """``audio`` in ``fmt``; a compressed format off the event loop (seconds of Opus take a
+    tenth of a second to write)."""
+    if fmt in COMPRESSED:
+        return await current_kernel().compute(lambda: encode(audio, fmt, SAMPLE_RATE))
+    return encode(audio, fmt, SAMPLE_RATE)
 
 
 def _request_id(kind: str) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.serving import RequestRejected, check_input_text
+from runtime.serving.audio import COMPRESSED
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ _CHAT_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_is_str, "a string"),
 }
 #: ``pcm`` is upstream's other name for ``pcm16``.
-CHAT_AUDIO_FORMATS = ("wav", "pcm16", "pcm")
-SPEECH_FORMATS = ("wav", "pcm")
-#: Formats upstream serves that this build does not encode: a clear 400, not a surprise.
-_UNENCODED = ("mp3", "flac", "opus", "aac")
+CHAT_AUDIO_FORMATS = ("wav", "pcm16", "pcm", *COMPRESSED)
+SPEECH_FORMATS = ("wav", "pcm", *COMPRESSED)
+#: What a stream of samples can be: a compressed file is written whole.
+STREAMED_FORMATS = ("wav", "pcm")
+#: A format OpenAI's clients may ask for that libsndfile cannot write: a clear 400, not a surprise.
+_UNENCODED = ("aac",)
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,8 @@ def parse_speech(raw: object) -> SpeechRequest:
     response_format = _field(body, "response_format", _is_str, "a string", "wav")
     if response_format in _UNENCODED:
         raise ApiError(
-            f"response_format {response_format!r} is not encoded here; use wav or pcm", param="response_format"
+            f"response_format {response_format!r} is not encoded here; use one of {', '.join(SPEECH_FORMATS)}",
+            param="response_format",
         )
     if response_format not in SPEECH_FORMATS:
         raise ApiError(f"response_format must be one of {', '.join(SPEECH_FORMATS)}", param="response_format")
@@ -296,6 +300,11 @@ def parse_speech(raw: object) -> SpeechRequest:
     streaming = stream or stream_format is not None
     if streaming and speed != 1.0:
         raise ApiError("a streamed response plays at speed 1.0 only", param="speed")
+    if stream_format == "audio" and response_format not in STREAMED_FORMATS:
+        raise ApiError(
+            f"streamed audio is {' or '.join(STREAMED_FORMATS)}; {response_format} is written whole",
+            param="response_format",
+        )
     _check_types(body, _SPEECH_EXTENSIONS)
     return SpeechRequest(
         text=text,
@@ -328,8 +337,8 @@ def parse_session_config(raw: Mapping[str, Any]) -> SessionConfig:
     response_format = _field(raw, "response_format", _is_str, "a string", "pcm")
     stream_audio = _field(raw, "stream_audio", _is_bool, "a boolean", False)
     word_timestamps = _field(raw, "word_timestamps", _is_bool, "a boolean", False)
-    if response_format not in SPEECH_FORMATS:
-        raise ApiError(f"response_format must be one of {', '.join(SPEECH_FORMATS)}", param="response_format")
+    if response_format not in STREAMED_FORMATS:
+        raise ApiError(f"response_format must be one of {', '.join(STREAMED_FORMATS)}", param="response_format")
     if response_format == "wav" and (stream_audio or word_timestamps):
         raise ApiError(
             "streamed audio (stream_audio, word_timestamps) is raw PCM: response_format must be 'pcm'",
