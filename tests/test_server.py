@@ -209,6 +209,44 @@ def test_chat_audio_in_flac_is_the_same_samples(client: openai.OpenAI) -> None:
     assert rate == RATE and samples.tobytes() == _speech_pcm_alone(client)
 
 
+def test_a_speech_batch_speaks_every_item_in_order_and_fails_one_alone(server: Running) -> None:
+    """Upstream's batch: the batch's fields are every item's unless it sets its own; an input the
+    speech endpoint would refuse fails its item alone; the results in the items' order."""
+    items = [{"input": TEXT}, {"input": "  "}, {"input": "another sentence", "response_format": "flac"}]
+    response = httpx.post(
+        f"{server.url}/v1/audio/speech/batch", json={"items": items, "response_format": "pcm"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("speech-batch") and (body["total"], body["succeeded"], body["failed"]) == (3, 2, 1)
+    first, empty, flac = body["results"]
+    assert [r["index"] for r in body["results"]] == [0, 1, 2]
+    assert first["status"] == "success" and first["media_type"] == "audio/pcm"
+    assert base64.b64decode(first["audio_data"]) == _speech(server, response_format="pcm").content
+    assert first["usage"]["output_tokens"] * 2 == len(base64.b64decode(first["audio_data"]))
+    assert empty["status"] == "error" and "input" in empty["error"] and "audio_data" not in empty
+    alone = _speech(server, input="another sentence", response_format="pcm").content
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(flac["audio_data"])), dtype="int16")
+    assert flac["media_type"] == "audio/flac" and rate == RATE and samples.tobytes() == alone
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"items": []},
+        {"items": [{"input": "hi"}] * 33},
+        {"items": [{"voice": "x"}]},
+        {"items": ["hi"]},
+        {"items": [{"input": "hi", "response_format": "aac"}]},
+        {"items": [{"input": "hi"}], "speed": 9},
+        {"input": "hi"},
+    ],
+)
+def test_a_speech_batch_that_no_item_could_serve_is_refused_whole(server: Running, body: dict[str, object]) -> None:
+    response = httpx.post(f"{server.url}/v1/audio/speech/batch", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("items")  # type: ignore[union-attr]
+
+
 def test_speech_sse_sends_each_sample_once_then_done_with_usage(server: Running) -> None:
     events = _sse_events(server, "/v1/audio/speech", {"input": TEXT, "stream": True})
     kinds = [e["type"] for e in events]
@@ -647,6 +685,21 @@ def test_clients_disconnecting_at_random_moments_leave_nothing_behind(server: Ru
     assert not live, live
     aborts = float(re.search(r"^omnisim_aborts_total (\S+)", metrics, re.M).group(1))  # type: ignore[union-attr]
     assert aborts > 50  # most were cut before their end
+
+
+def test_a_batch_whose_client_went_away_aborts_every_item(server: Running) -> None:
+    def aborts() -> float:
+        return float(re.search(r"^omnisim_aborts_total (\S+)", httpx.get(f"{server.url}/metrics").text, re.M).group(1))  # type: ignore[union-attr]
+
+    before = aborts()
+    items = [{"input": f"item {i} " + "words " * 400} for i in range(4)]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/audio/speech/batch", json={"items": items}, timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.monotonic() + 10
+    while aborts() < before + len(items) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborts() == before + len(items)
+    assert _metric(server, 'omnisim_stage_requests{stage="thinker"}') == 0
 
 
 # -- processes, the page -----------------------------------------------------------------------------

@@ -17,10 +17,10 @@ import json
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -42,7 +42,16 @@ from runtime.models.code2wav import SAMPLE_RATE
 from runtime.orchestrator import ABORTED, Orchestrator, Unavailable
 from runtime.serving.audio import COMPRESSED, MEDIA_TYPES, encode, pcm16, wav_header
 from runtime.serving.metrics import Playback, ServingMetrics
-from runtime.serving.requests import ApiError, SessionConfig, parse_chat, parse_session_config, parse_speech
+from runtime.serving.requests import (
+    ApiError,
+    BatchItem,
+    SessionConfig,
+    SpeechRequest,
+    parse_chat,
+    parse_session_config,
+    parse_speech,
+    parse_speech_batch,
+)
 
 #: The largest request body read (a 20,000-character input is well under it).
 MAX_BODY_BYTES = 1 << 20
@@ -56,6 +65,7 @@ RETRY_AFTER_S = 1
 PAGE = Path(__file__).with_name("static") / "index.html"
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Server:
@@ -76,6 +86,7 @@ class Server:
             Route("/metrics", self.prometheus),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/audio/speech", self.speech, methods=["POST"]),
+            Route("/v1/audio/speech/batch", self.speech_batch, methods=["POST"]),
             WebSocketRoute("/v1/audio/speech/stream", self.speech_stream),
             Route("/v1/audio/speech/stream", _websocket_only, methods=["GET", "POST"]),
         ]
@@ -117,7 +128,7 @@ class Server:
         outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
         if chat.stream:
             return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs, began))
-        collected = await _collect_unless_gone(request, outputs)
+        collected = await _unless_gone(request, lambda: _collect(outputs))
         if collected is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         text, audio, _, error = collected
@@ -205,16 +216,12 @@ class Server:
         if speech.stream_format == "audio":
             media = MEDIA_TYPES[speech.response_format]
             return _Streamed(_raw_audio(speech.response_format, outputs), media_type=media)
-        collected = await _collect_unless_gone(request, outputs)
-        if collected is None:
+        spoken = await _unless_gone(request, lambda: _spoken(speech, outputs))
+        if spoken is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        _, audio, stamps, error = collected
+        audio, stamps, error = spoken
         if error is not None:
-            raise _request_failed(error)
-        if speech.speed != 1.0:
-            # Played faster or slower like tape: the same samples over a shorter or longer time.
-            audio = serving.resample(audio, round(speech.speed * 1000), 1000)
-            stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in stamps]
+            raise error
         headers = _usage_headers(speech.text, audio)
         if speech.word_timestamps:
             value = json.dumps(_timestamps(stamps), separators=(",", ":"))
@@ -225,6 +232,43 @@ class Server:
                 headers["X-Word-Timestamps-Omitted"] = omitted
         body = await _encoded(audio, speech.response_format)
         return Response(body, media_type=MEDIA_TYPES[speech.response_format], headers=headers)
+
+    async def speech_batch(self, request: Request) -> Response:
+        """Every item spoken at once, as a whole speech request; 200 with each item's audio or
+        error in the items' order (one that fails fails alone), unless the batch is refused."""
+        batch = self._accept("speech_batch", parse_speech_batch, await _json_body(request))
+        results: list[dict[str, Any]] = [{} for _ in batch.items]
+
+        async def speak(i: int, item: BatchItem) -> None:
+            results[i] = {"index": i} | await self._batch_item(item)
+
+        async def speak_all() -> list[dict[str, Any]]:
+            async with anyio.create_task_group() as all_items:
+                for i, item in enumerate(batch.items):
+                    all_items.start_soon(speak, i, item)
+            return results
+
+        if await _unless_gone(request, speak_all) is None:
+            return Response(status_code=499)
+        failed = sum(r["status"] == "error" for r in results)
+        body = {"id": _request_id("speech-batch"), "results": results, "total": len(results)}
+        return JSONResponse(body | {"succeeded": len(results) - failed, "failed": failed})
+
+    async def _batch_item(self, item: BatchItem) -> dict[str, Any]:
+        """An item's result without its index: its audio (base64), media type and usage, or its error."""
+        if item.speech is None:
+            return {"status": "error", "error": item.error}
+        speech = item.speech
+        outputs = self._outputs(speech.text, ("audio",), stream=False, word_timestamps=False, rid=_request_id("speech"))
+        audio, _, error = await _spoken(speech, outputs)
+        if error is not None:
+            return {"status": "error", "error": str(error)}
+        return {
+            "status": "success",
+            "audio_data": base64.b64encode(await _encoded(audio, speech.response_format)).decode(),
+            "media_type": MEDIA_TYPES[speech.response_format],
+            "usage": _speech_usage(speech.text, audio.numel()),
+        }
 
     # -- the WebSocket --------------------------------------------------------------------------
 
@@ -505,12 +549,26 @@ async def _collect(
     return text, audio, stamps, error
 
 
-async def _collect_unless_gone(
-    request: Request, outputs: AsyncIterator[ClientOutput]
-) -> tuple[str, Any, list[WordTimestamp], str | None] | None:
-    """:func:`_collect`, unless the client disconnects first: then None, and the request is
-    aborted at once (closing ``outputs`` closes ``generate``, whose ``finally`` is the abort)."""
-    collected = None
+async def _spoken(
+    speech: SpeechRequest, outputs: AsyncIterator[ClientOutput]
+) -> tuple[Any, list[WordTimestamp], ApiError | None]:
+    """The whole audio of a speech request and its word timestamps, at the speed it asked for;
+    or the :class:`ApiError` that says how it failed (returned: raised inside a task group, it
+    would arrive wrapped in an exception group)."""
+    _, audio, stamps, error = await _collect(outputs)
+    if error is not None:
+        return audio, stamps, _request_failed(error)
+    if speech.speed != 1.0:
+        # Played faster or slower like tape: the same samples over a shorter or longer time.
+        audio = serving.resample(audio, round(speech.speed * 1000), 1000)
+        stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in stamps]
+    return audio, stamps, None
+
+
+async def _unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """What ``work`` returns (never None), unless the client disconnects first: then None, and
+    the work is cancelled at once (its requests are aborted: closing ``generate`` is the abort)."""
+    done: list[T] = []
     async with anyio.create_task_group() as watch:
 
         async def until_gone() -> None:
@@ -519,9 +577,9 @@ async def _collect_unless_gone(
             watch.cancel_scope.cancel()
 
         watch.start_soon(until_gone)
-        collected = await _collect(outputs)
+        done.append(await work())
         watch.cancel_scope.cancel()
-    return collected
+    return done[0] if done else None
 
 
 def _sse(events: AsyncIterator[dict[str, Any]], *, named: bool = False) -> Response:

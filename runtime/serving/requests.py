@@ -319,6 +319,55 @@ def parse_speech(raw: object) -> SpeechRequest:
     )
 
 
+#: The most items one ``/v1/audio/speech/batch`` request may hold (upstream's default limit).
+MAX_BATCH_ITEMS = 32
+#: What an item of a batch can never ask for: each is spoken whole, without headers to carry timestamps.
+_NOT_IN_BATCH = ("stream", "stream_format", "word_timestamps")
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One item of a batch: its request (None if it fails alone), or why it fails."""
+
+    speech: SpeechRequest | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeechBatch:
+    items: tuple[BatchItem, ...]
+    model: str | None
+
+
+def parse_speech_batch(raw: object) -> SpeechBatch:
+    """``items`` (1 to :data:`MAX_BATCH_ITEMS` objects, each with an ``input``) and the fields
+    every item takes unless it sets its own, as upstream's batch merges them. A field that no
+    speech request may hold refuses the whole batch; an input the speech endpoint would refuse
+    (empty, too long) fails its item alone, with the endpoint's message."""
+    body = _object(raw)
+    items = body.get("items")
+    if not isinstance(items, list) or not items:
+        raise ApiError("'items' must be a non-empty array of speech requests", param="items")
+    if len(items) > MAX_BATCH_ITEMS:
+        raise ApiError(f"the batch holds {len(items)} items; at most {MAX_BATCH_ITEMS} are allowed", param="items")
+    shared = {k: v for k, v in body.items() if k != "items" and v is not None}
+    parsed = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "input" not in item:
+            raise ApiError(f"items[{i}] must be an object with an 'input'", param=f"items[{i}]")
+        merged = shared | {k: v for k, v in item.items() if v is not None}
+        for name in _NOT_IN_BATCH:
+            merged.pop(name, None)
+        try:
+            parsed.append(BatchItem(parse_speech(merged)))
+        except ApiError as e:
+            if e.param != "input":
+                param = f"items[{i}]" + (f".{e.param}" if e.param else "")
+                raise ApiError(f"{param}: {e}", param=param) from None
+            parsed.append(BatchItem(None, str(e)))
+    return SpeechBatch(tuple(parsed), _field(body, "model", _is_str, "a string", None))
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """A WebSocket session's settings; sticky across utterances until the next ``session.config``."""
