@@ -47,8 +47,17 @@ def wav(audio: torch.Tensor, sample_rate: int) -> bytes:
     return wav_header(sample_rate, len(data)) + data
 
 
-#: Each compressed format: libsndfile's container and subtype (None: the container's default).
-COMPRESSED: dict[str, tuple[str, str | None]] = {"mp3": ("MP3", None), "flac": ("FLAC", None), "opus": ("OGG", "OPUS")}
+#: Each compressed format this libsndfile writes: its container and subtype. (One built without
+#: MP3 or Opus, before 1.1 or by choice, leaves them out: asked for, they are a clear 400.)
+COMPRESSED: dict[str, tuple[str, str]] = {
+    name: (container, subtype)
+    for name, container, subtype in (
+        ("mp3", "MP3", "MPEG_LAYER_III"),
+        ("flac", "FLAC", "PCM_16"),
+        ("opus", "OGG", "OPUS"),
+    )
+    if soundfile.check_format(container, subtype)
+}
 
 #: The media type of a response in each format (upstream's).
 MEDIA_TYPES = {
@@ -63,7 +72,7 @@ MEDIA_TYPES = {
 
 def encode(audio: torch.Tensor, fmt: str, sample_rate: int) -> bytes:
     """``wav`` (a whole file), ``pcm``/``pcm16`` (raw samples), or a whole file of a
-    :data:`COMPRESSED` format — of no samples, an empty body, as libsndfile writes it."""
+    :data:`COMPRESSED` format."""
     if fmt == "wav":
         return wav(audio, sample_rate)
     if fmt not in COMPRESSED:

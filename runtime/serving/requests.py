@@ -91,8 +91,8 @@ CHAT_AUDIO_FORMATS = ("wav", "pcm16", "pcm", *COMPRESSED)
 SPEECH_FORMATS = ("wav", "pcm", *COMPRESSED)
 #: What a stream of samples can be: a compressed file is written whole.
 STREAMED_FORMATS = ("wav", "pcm")
-#: A format OpenAI's clients may ask for that libsndfile cannot write: a clear 400, not a surprise.
-_UNENCODED = ("aac",)
+#: Formats OpenAI's clients may ask for that this libsndfile cannot write: a clear 400, not a surprise.
+_UNENCODED = tuple(name for name in ("mp3", "flac", "opus", "aac") if name not in COMPRESSED)
 
 
 @dataclass(frozen=True)
