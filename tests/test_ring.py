@@ -291,6 +291,68 @@ async def test_a_frame_released_between_two_looks_of_its_producer_is_taken_not_c
     await close(producer, consumer)
 
 
+def test_a_ring_its_producer_is_still_making_is_left_alone_by_a_reader(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new ring is under its name, all zeros, before its producer writes its header (found by
+    a soak: a restarted Talker's reader looked in that moment, its producer wrote the header
+    meanwhile, the reader retired the new ring, and the chunks put on it were lost). Until the
+    header's last store, its magic, a reader finds no ring there and lets it be."""
+    created = store.create_ring("edge_1_2", SMALL.capacity)
+    well_formed = Ring.well_formed
+    made: list[Ring] = []
+
+    def producer_finishes_meanwhile(ring: Ring) -> bool:
+        judged = well_formed(ring)
+        if not made:
+            made.append(Ring.made(created, store.owner()))
+        return judged
+
+    monkeypatch.setattr(Ring, "well_formed", producer_finishes_meanwhile)
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None and Ring.attach(memory, retire_malformed=True) is None
+    assert not any(ring.retired for ring in made)  # (made: the reader judged the zeros, then the header came)
+    monkeypatch.undo()
+    # Every field but the first word, as `made` leaves them just before its last store.
+    rings.HEADER.pack_into(created.view, 0, bytes(4), 0, SMALL.capacity, 0, 0, 1, 0, 1)
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None and Ring.attach(memory, retire_malformed=True) is None
+    ring = Ring.made(created, store.owner())
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None
+    seen = Ring.attach(memory, retire_malformed=True)
+    assert seen is not None and not ring.retired and not seen.retired
+    seen.close()
+    ring.close()
+
+
+def test_a_reader_never_retires_a_ring_whose_head_moved_while_it_looked(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader judges a header without the lock: a head and a tail read on either side of a
+    move may make no sense together. Only a header that held still while it was judged is
+    malformed."""
+    made = Ring.made(store.create_ring("edge_1_2", SMALL.capacity), store.owner())
+    well_formed = Ring.well_formed
+    moves = [True]
+
+    def judged_across_a_move(ring: Ring) -> bool:
+        if moves and ring is not made:
+            moves.pop()
+            made._words[rings._HEAD_AT // 8] += rings.ALIGN  # the producer put a frame meanwhile
+            made._words[rings._TAIL_AT // 8] += rings.ALIGN  # and its reader released one
+            return False  # (what the two reads on either side of that move added up to)
+        return well_formed(ring)
+
+    monkeypatch.setattr(Ring, "well_formed", judged_across_a_move)
+    memory = store.open_ring("edge_1_2")
+    assert memory is not None
+    seen = Ring.attach(memory, retire_malformed=True)
+    assert seen is not None and not made.retired
+    seen.close()
+    made.close()
+
+
 async def test_a_put_that_finds_its_ring_corrupt_sends_all_the_same(store: Store) -> None:
     producer, consumer = pair(store)
     await put(producer, "R_1_0", chunk(0))

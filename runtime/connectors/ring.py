@@ -82,6 +82,11 @@ VERSION = 1
 HEADER = struct.Struct("<4sIQQQIIQ")
 #: magic, version, capacity: what no move of a ring ever changes.
 _IDENTITY = struct.Struct("<4sIQ")
+#: How many times a reader looks at a header that moves while it is judged, before it gives up
+#: for now (it looks again at its next get).
+ATTACH_LOOKS = 3
+#: The header's first word, magic and version: a new ring's last store.
+_MADE = struct.unpack("<Q", struct.pack("<4sI", MAGIC, VERSION))[0]
 HEADER_SIZE = 64
 _HEAD_AT = 16
 _TAIL_AT = 24
@@ -193,7 +198,8 @@ class Ring:
     @classmethod
     def attach(cls, memory: RingMemory, *, retire_malformed: bool = False) -> Ring | None:
         """A view of an existing ring; None (and ``memory`` closed) if its bytes are not a
-        well-formed ring: too small, a size that is not whole frames, a bad header. With
+        well-formed ring: too small, a size that is not whole frames, a bad header — or one
+        not made yet, or moving too fast to judge (the next look tries again). With
         ``retire_malformed`` a bad header of a ring's size is marked retired first, so that its
         producer replaces it (a reader's move: the producer would write on)."""
         size = len(memory.view)
@@ -201,10 +207,18 @@ class Ring:
             memory.close()
             return None
         ring = cls(memory)
-        if ring.well_formed():
-            return ring
-        if retire_malformed:
-            ring.retire()
+        # Read without the lock: a live ring's head and tail may move between two reads, so a
+        # header is judged malformed only if it held still while it was judged.
+        for _ in range(ATTACH_LOOKS):
+            seen = ring._words.tolist()
+            if seen[0] == 0:
+                break  # no magic yet: its producer is still making it (the magic goes last)
+            if ring.well_formed():
+                return ring
+            if ring._words.tolist() == seen:
+                if retire_malformed:
+                    ring.retire()
+                break
         ring.close()
         return None
 
@@ -216,9 +230,13 @@ class Ring:
 
     @classmethod
     def made(cls, memory: RingMemory, producer: Owner | None) -> Ring:
+        """A new ring's header on ``memory`` (zeros, under the ring's name already: a reader
+        may map it at any moment). The magic goes last, in one aligned store: until then a
+        reader finds no ring there, and once it is there, so is everything else."""
         ring = cls(memory)
         pid, ticks = (producer.pid, producer.start_ticks) if producer is not None else (0, 0)
-        HEADER.pack_into(ring.view, 0, MAGIC, VERSION, ring.capacity, 0, 0, pid, 0, ticks)
+        HEADER.pack_into(ring.view, 0, bytes(len(MAGIC)), 0, ring.capacity, 0, 0, pid, 0, ticks)
+        ring._words[0] = _MADE
         return ring
 
     def well_formed(self) -> bool:
