@@ -313,10 +313,23 @@ def test_a_ring_its_producer_is_still_making_is_left_alone_by_a_reader(
     assert memory is not None and Ring.attach(memory, retire_malformed=True) is None
     assert not any(ring.retired for ring in made)  # (made: the reader judged the zeros, then the header came)
     monkeypatch.undo()
-    # Every field but the first word, as `made` leaves them just before its last store.
-    rings.HEADER.pack_into(created.view, 0, bytes(4), 0, SMALL.capacity, 0, 0, 1, 0, 1)
+    # What `made` leaves just before its last store (every field but the first word), as a
+    # reader may find it.
+    before_last_store: list[bytes] = []
+    header = rings.HEADER
+
+    class Header:
+        def pack_into(self, view: memoryview, at: int, *fields: object) -> None:
+            header.pack_into(view, at, *fields)
+            before_last_store.append(bytes(view[: rings.HEADER_SIZE]))
+
+    monkeypatch.setattr(rings, "HEADER", Header())
+    Ring.made(created, store.owner())._words.release()  # (the memory stays open: it is `created`)
+    monkeypatch.undo()
+    created.view[: rings.HEADER_SIZE] = before_last_store[0]
     memory = store.open_ring("edge_1_2")
     assert memory is not None and Ring.attach(memory, retire_malformed=True) is None
+    assert rings._U32.unpack_from(created.view, rings._RETIRED_AT)[0] == 0  # (not retired)
     ring = Ring.made(created, store.owner())
     memory = store.open_ring("edge_1_2")
     assert memory is not None
