@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -324,7 +325,9 @@ def test_a_ring_its_producer_is_still_making_is_left_alone_by_a_reader(
             before_last_store.append(bytes(view[: rings.HEADER_SIZE]))
 
     monkeypatch.setattr(rings, "HEADER", Header())
-    Ring.made(created, store.owner())._words.release()  # (the memory stays open: it is `created`)
+    half = Ring.made(created, store.owner())
+    half._words.release()  # (its views only: the memory stays open, it is `created`)
+    half._u32.release()
     monkeypatch.undo()
     created.view[: rings.HEADER_SIZE] = before_last_store[0]
     memory = store.open_ring("edge_1_2")
@@ -337,6 +340,35 @@ def test_a_ring_its_producer_is_still_making_is_left_alone_by_a_reader(
     assert seen is not None and not ring.retired and not seen.retired
     seen.close()
     ring.close()
+
+
+def test_a_look_without_the_lock_never_sees_a_frame_with_no_state() -> None:
+    """A frame's state is written in one store while the other side may look without the lock
+    (found by a soak: a reader's DONE written with ``struct.pack_into``, which zeroes the bytes
+    before it writes them, read as state 0 by its producer's reap, which retired the healthy ring
+    as corrupt and lost its chunks). A process writes states as fast as it can; this one looks."""
+    store = PosixStore()
+    try:
+        ring = Ring.made(store.create_ring("edge_1_2", SMALL.capacity), store.owner())
+        frame = ring.reserve("R_1_0", 100)
+        assert frame is not None
+        child = os.fork()
+        if child == 0:  # the writer: it never returns
+            ends = time.monotonic() + 0.3
+            while time.monotonic() < ends:
+                for _ in range(1000):
+                    ring.set_state(frame, rings.READY)
+                    ring.set_state(frame, rings.DONE)
+            os._exit(0)
+        seen: set[int] = set()
+        ends = time.monotonic() + 0.3
+        while time.monotonic() < ends:
+            seen.update(ring._state(frame) for _ in range(1000))
+        os.waitpid(child, 0)
+        assert seen <= {rings.WRITING, rings.READY, rings.DONE} and rings.DONE in seen, seen
+        ring.close()
+    finally:
+        store.sweep()
 
 
 def test_a_reader_never_retires_a_ring_whose_head_moved_while_it_looked(

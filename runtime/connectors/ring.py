@@ -193,6 +193,10 @@ class Ring:
         self.data_size = self.capacity - HEADER_SIZE
         #: The header as 8-byte words: head and tail are each one aligned store.
         self._words = self.view[:HEADER_SIZE].cast("Q")
+        #: The ring as 4-byte words, for a frame's state: one aligned store, which a look without
+        #: the lock sees whole. (``struct.pack_into`` zeroes its bytes before it writes them: a
+        #: state written with it reads 0, no state at all, to a look that comes in between.)
+        self._u32 = self.view.cast("I")
         self._identity = _IDENTITY.pack(MAGIC, VERSION, self.capacity)
 
     @classmethod
@@ -224,6 +228,7 @@ class Ring:
 
     def close(self) -> None:
         self._words.release()
+        self._u32.release()
         self.memory.close()
 
     # -- the header --------------------------------------------------------------------------
@@ -368,7 +373,7 @@ class Ring:
         return self.view[frame.payload_at : frame.payload_at + frame.payload_len]
 
     def set_state(self, frame: Frame, state: int) -> None:
-        _U32.pack_into(self.view, self._at(frame.pos), state)
+        self._u32[self._at(frame.pos) // 4] = state
 
     def _state(self, frame: Frame) -> int:
         return _U32.unpack_from(self.view, self._at(frame.pos))[0]
