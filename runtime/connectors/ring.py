@@ -94,7 +94,6 @@ _RETIRED_AT = 36
 _ROOM_WANTED_AT = 48
 #: state, key length, payload length, span.
 FRAME = struct.Struct("<IIQQ")
-_U32 = struct.Struct("<I")
 ALIGN = 64
 #: A frame's header and key, aligned, at most (a key is at most 200 characters).
 _FRAME_HEAD_MAX = 256
@@ -193,9 +192,10 @@ class Ring:
         self.data_size = self.capacity - HEADER_SIZE
         #: The header as 8-byte words: head and tail are each one aligned store.
         self._words = self.view[:HEADER_SIZE].cast("Q")
-        #: The ring as 4-byte words, for a frame's state: one aligned store, which a look without
-        #: the lock sees whole. (``struct.pack_into`` zeroes its bytes before it writes them: a
-        #: state written with it reads 0, no state at all, to a look that comes in between.)
+        #: The ring as 4-byte words, for a frame's state and the header's flags: each one aligned
+        #: store, which a look without the lock sees whole. (``struct.pack_into`` zeroes its bytes
+        #: before it writes them: a state written with it reads 0, no state at all, to a look that
+        #: comes in between.)
         self._u32 = self.view.cast("I")
         self._identity = _IDENTITY.pack(MAGIC, VERSION, self.capacity)
 
@@ -262,19 +262,19 @@ class Ring:
 
     @property
     def retired(self) -> bool:
-        return bool(_U32.unpack_from(self.view, _RETIRED_AT)[0])
+        return bool(self._u32[_RETIRED_AT // 4])
 
     def retire(self) -> None:
-        _U32.pack_into(self.view, _RETIRED_AT, 1)
+        self._u32[_RETIRED_AT // 4] = 1
 
     def want_room(self) -> None:
-        _U32.pack_into(self.view, _ROOM_WANTED_AT, 1)
+        self._u32[_ROOM_WANTED_AT // 4] = 1
 
     def room_was_wanted(self) -> bool:
         """Whether a producer waits for room (the flag is cleared: one wakeup answers it)."""
-        if not _U32.unpack_from(self.view, _ROOM_WANTED_AT)[0]:
+        if not self._u32[_ROOM_WANTED_AT // 4]:
             return False
-        _U32.pack_into(self.view, _ROOM_WANTED_AT, 0)
+        self._u32[_ROOM_WANTED_AT // 4] = 0
         return True
 
     # -- frames ------------------------------------------------------------------------------
@@ -376,7 +376,7 @@ class Ring:
         self._u32[self._at(frame.pos) // 4] = state
 
     def _state(self, frame: Frame) -> int:
-        return _U32.unpack_from(self.view, self._at(frame.pos))[0]
+        return self._u32[self._at(frame.pos) // 4]
 
     def commit(self, frame: Frame) -> bool:
         """Make a written frame READY; False if a cleanup cancelled it meanwhile (it is then

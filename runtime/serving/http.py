@@ -533,8 +533,6 @@ class _Streamed(StreamingResponse):
 async def _collect(
     outputs: AsyncIterator[ClientOutput],
 ) -> tuple[str, Any, list[WordTimestamp], str | None]:
-    import torch
-
     text, audio, stamps, error = "", torch.empty(0), [], None
     async with aclosing(outputs) as stream:
         async for out in stream:
