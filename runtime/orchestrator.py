@@ -346,7 +346,7 @@ class Orchestrator:
         """Word timestamps from the final stage's *finished* output (the aligner's full hand-off,
         spec §4.4). Only a CUMULATIVE output carries the whole waveform there (#7544)."""
         assert self.aligner is not None  # checked at submission
-        aligner_input = code2wav2aligner(final_audio, state.text, finished=True, sample_rate=SAMPLE_RATE)
+        aligner_input = code2wav2aligner(final_audio, state.text, sample_rate=SAMPLE_RATE)
         if aligner_input is None:
             return []
         return self.meter.timed(self.aligner.align, aligner_input.wav, aligner_input.words, SAMPLE_RATE)

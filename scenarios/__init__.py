@@ -11,6 +11,7 @@ from scenarios import (  # noqa: F401
     hostile_shm,
     input_wait,
     large,
+    model_failure,
     mutants_4855,
     mutants_6670,
     mutants_8082,

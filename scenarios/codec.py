@@ -3,12 +3,13 @@ frames stepped out one at a time, chunked 4 / 25 / 25, and checked frame by fram
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import torch
 
-from omnisim.registry import scenario
+from omnisim.registry import Param, scenario
 from omnisim.world import World
 from runtime import serving
 from runtime.config.deploy import CodecChunking
@@ -41,9 +42,9 @@ OMNI_CHUNKING = CodecChunking(initial_codec_chunk_frames=4, codec_chunk_frames=2
 PREFILL_STEPS = 2
 
 
-def codec_world(store_kind: str) -> World:
+def codec_world(store_kind: str, chunking: CodecChunking = OMNI_CHUNKING) -> World:
     world = World(store_kind)
-    world.add_stage(TALKER, processor=Talker2Code2WavAsyncChunk(OMNI_CHUNKING), receives=False)
+    world.add_stage(TALKER, processor=Talker2Code2WavAsyncChunk(chunking), receives=False)
     world.add_stage(CODE2WAV, sends=False)
     watch_code2wav(world)
     return world
@@ -86,9 +87,9 @@ async def talk(
     req.stream.frames_sent = n_frames
 
 
-async def listen(req: EdgeRequest) -> None:
+async def listen(req: EdgeRequest, chunking: CodecChunking = OMNI_CHUNKING) -> None:
     """Code2Wav's side: each chunk is codebook-major ``[16, n]`` with ``left_context_size`` frames
-    of context in front; only the frames after it are new."""
+    of context in front (checked against the frames before it); only the frames after it are new."""
     adapter = req.code2wav.adapter
     request = req.receiver
     while await next_chunk(req):
@@ -96,7 +97,10 @@ async def listen(req: EdgeRequest) -> None:
         n = len(ids) // 16
         left = int(((request.additional_information or {}).get("meta") or {}).get("left_context_size", 0)) if n else 0
         codes = torch.tensor(ids, dtype=torch.int64).reshape(16, n) if n else torch.empty(16, 0, dtype=torch.int64)
-        new = [tuple(codes[:, j].tolist()) for j in range(left, n)]
+        frames = [tuple(codes[:, j].tolist()) for j in range(n)]
+        if n:
+            check_left_context(req.world, request.request_id, frames, left, req.stream.received_frames, chunking)
+        new = frames[left:]
         req.stream.received_frames.extend(new)
         finished = adapter.is_done_receiving_chunks(request.request_id)
         req.stream.chunks.append((len(new), finished))
@@ -131,7 +135,78 @@ async def codec_chunk_boundaries(world: World) -> None:
         jobs.append((f"{name}.talk", speak))
         jobs.append((f"{name}.listen", lambda req=req: listen(req)))
     await together(*jobs)
-    for req in reqs.values():
+    for name, req in reqs.items():
+        check_chunk_plan(req, LENGTHS[name], OMNI_CHUNKING, last_frame_finishes=name in ENDS_ON_A_FRAME)
+        await release(req)
+
+
+def chunk_plan(n_frames: int, chunking: CodecChunking, *, last_frame_finishes: bool) -> list[int]:
+    """The new frames of each chunk spec §4.1 cuts from a request of ``n_frames`` valid frames:
+    the initial chunk (if any), each full chunk, then the terminal with the remainder — or, when
+    the last boundary came before the finishing call, an empty terminal (0); when the finishing
+    call brought the boundary's frame itself, that chunk is the terminal."""
+    first = chunking.initial_codec_chunk_frames or chunking.codec_chunk_frames
+    sizes, sent, boundary = [], 0, first
+    while boundary <= n_frames:
+        sizes.append(boundary - sent)
+        sent, boundary = boundary, boundary + chunking.codec_chunk_frames
+    if n_frames > sent:
+        sizes.append(n_frames - sent)
+    elif not (last_frame_finishes and sizes):
+        sizes.append(0)
+    return sizes
+
+
+def check_chunk_plan(req: EdgeRequest, n_frames: int, chunking: CodecChunking, *, last_frame_finishes: bool) -> None:
+    """A finished request's chunks came as :func:`chunk_plan` cuts them, only the last one final."""
+    if req.stream.outcome != "finished":
+        return
+    got = [new for new, _ in req.stream.chunks]
+    want = chunk_plan(n_frames, chunking, last_frame_finishes=last_frame_finishes)
+    finals = [i for i, (_, finished) in enumerate(req.stream.chunks) if finished]
+    req.world.probe(
+        "merged-as-spec",
+        got == want and finals == [len(got) - 1],
+        f"{req.ext}'s {n_frames} frames came in chunks of {got} new frames (final: chunk {finals}); "
+        f"spec §4.1 cuts {want} with {chunking.initial_codec_chunk_frames}/{chunking.codec_chunk_frames} chunking",
+    )
+
+
+#: A deploy's initial chunk besides Qwen3-Omni's 4: none (the processor's default) and one frame.
+INITIAL_CHUNK = Param("initial", ("0", "1"), "initial_codec_chunk_frames of the deploy (chunks of 25, context 25)")
+#: Frame counts around each boundary of both chunkings: one and two frames, one chunk, one chunk
+#: and one frame, two chunks and one frame, and a request whose finishing call brings a boundary's
+#: frame (a length cap) for each.
+CHUNKING_LENGTHS = {"one": 1, "two": 2, "chunk": 25, "chunk_and_one": 26, "long": 51, "capped_0": 25, "capped_1": 26}
+
+
+def chunking_of(params: Mapping[str, str]) -> CodecChunking:
+    return dataclasses.replace(OMNI_CHUNKING, initial_codec_chunk_frames=int(params["initial"]))
+
+
+@scenario(
+    "codec_chunkings",
+    summary="the real chunker with the chunkings a deploy file may give besides 4/25/25 (no initial chunk, a "
+    "one-frame one): requests of 1, 2, 25, 26 and 51 frames and two ended by a length cap on a boundary: each "
+    "chunk carries the new frames and left context spec §4.1 cuts, every frame arrives once, in order",
+    issue="spec §4.1 (initial_codec_chunk_frames); omnisim issue 11 (a blind spot of the mutation score of "
+    "runtime/processors: only 4/25/25 was ever cut)",
+    build=lambda store_kind, params: codec_world(store_kind, chunking_of(params)),
+    budget_share=0.25,
+    params=(INITIAL_CHUNK,),
+)
+async def codec_chunkings(world: World) -> None:
+    chunking = chunking_of(world.params)
+    reqs = {name: EdgeRequest(world, name) for name in CHUNKING_LENGTHS}
+    capped = {name for name in CHUNKING_LENGTHS if name.startswith("capped")}
+    jobs = []
+    for index, (name, req) in enumerate(reqs.items()):
+        speak = functools.partial(talk, req, CHUNKING_LENGTHS[name], index, stop_frame=name not in capped)
+        jobs.append((f"{name}.talk", speak))
+        jobs.append((f"{name}.listen", lambda req=req: listen(req, chunking)))
+    await together(*jobs)
+    for name, req in reqs.items():
+        check_chunk_plan(req, CHUNKING_LENGTHS[name], chunking, last_frame_finishes=name in capped)
         await release(req)
 
 
@@ -170,12 +245,19 @@ def code2wav_scheduler(
     return scheduler
 
 
-def check_left_context(world: World, request_id: str, frames: list[tuple], left: int, before: list[tuple]) -> None:
+def check_left_context(
+    world: World,
+    request_id: str,
+    frames: list[tuple],
+    left: int,
+    before: list[tuple],
+    chunking: CodecChunking = OMNI_CHUNKING,
+) -> None:
     """A chunk carries as left context the frames just before its new ones: as many as spec §4.1
     step 6 gives, which with a left context of at most a chunk (4/25/25 here) is every frame
     before it, up to ``codec_left_context_frames`` (a context one frame short decodes audio
     that differs only where the model reaches that far back)."""
-    want = min(len(before), OMNI_CHUNKING.codec_left_context_frames)
+    want = min(len(before), chunking.codec_left_context_frames)
     world.probe(
         "merged-as-spec",
         left == want and frames[:left] == before[len(before) - left :],

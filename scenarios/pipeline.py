@@ -82,19 +82,25 @@ def shipped_config() -> PipelineConfig:
     return load_pipeline("qwen3_omni")
 
 
-def pipeline_world(store_kind: str, params: Params) -> World:
+def pipeline_world(store_kind: str, params: Params, stage_models: Models | None = None) -> World:
+    """The shipped pipeline's engine on the world's store, with the process's models unless
+    ``stage_models`` are given."""
     world = World(store_kind)
     config = shipped_config()
     if params.get("async_chunk") == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
-    engine = build_engine(config, models(), world.store)
+    engine = build_engine(config, stage_models or models(), world.store)
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
     return world
 
 
 def pipeline_scenario(
-    name: str, *, params: tuple[Param, ...] = PIPELINE_PARAMS, **kwargs: Any
+    name: str,
+    *,
+    params: tuple[Param, ...] = PIPELINE_PARAMS,
+    build: Callable[[str, Params], World] = pipeline_world,
+    **kwargs: Any,
 ) -> Callable[[ScenarioBody], ScenarioBody]:
     """Register a scenario on the whole pipeline. A run is long (every model step is simulated),
     so it gets half a command's schedule budget and a 60 s horizon. With ``shutdown=in_flight``
@@ -113,7 +119,7 @@ def pipeline_scenario(
 
             await together(("clients", clients), ("orch.shutdown", lambda: shutdown_in_flight(world, clients_done)))
 
-        scenario(name, build=pipeline_world, horizon_s=60.0, budget_share=0.5, params=params, **kwargs)(run)
+        scenario(name, build=build, horizon_s=60.0, budget_share=0.5, params=params, **kwargs)(run)
         return body
 
     return register

@@ -26,18 +26,13 @@ class AlignerInput:
 
 
 def code2wav2aligner(
-    audio: torch.Tensor | list[torch.Tensor] | None,
-    text: str,
-    *,
-    finished: bool,
-    sample_rate: int = DEFAULT_SAMPLE_RATE,
+    audio: torch.Tensor | None, text: str, *, sample_rate: int = DEFAULT_SAMPLE_RATE
 ) -> AlignerInput | None:
-    """The aligner input for one Code2Wav output, or None: alignment happens once, at the end of
-    the sentence (an unfinished output is skipped), and an empty waveform has nothing to align."""
-    if not finished or audio is None:
+    """The aligner input for Code2Wav's finished output (the orchestrator calls it once, at the
+    end of the sentence), or None: an empty waveform has nothing to align."""
+    if audio is None:
         return None
-    wav = audio[0] if isinstance(audio, list) else audio
-    wav = wav.reshape(-1).to(torch.float32)
+    wav = audio.reshape(-1).to(torch.float32)
     if wav.numel() == 0:
         log.warning("code2wav2aligner: empty waveform; no timestamps")
         return None
