@@ -143,7 +143,8 @@ def config_contract(world: ObservedWorld) -> list[str]:
 @invariant(
     "merged-as-spec",
     "what a Code2Wav receiver merges into a request's input after each chunk is what spec §3.8 makes of the "
-    "chunks it took (checked where a scenario consumes at the edge)",
+    "chunks it took (checked where a scenario consumes at the edge); each chunk carries what spec §4 cuts: a codec "
+    "chunk its new frames and left context, the Thinker's chunk 0 the prompt and a generated row",
 )
 def merged_as_spec(world: ObservedWorld) -> list[str]:
     return world.missed_cases("merge.case", "{req} after a commit: {got}")

@@ -30,16 +30,19 @@ class Failure(NamedTuple):
     stage: str
     method: str
     at: int
-    rows_of: Callable[[Any], int]
+    #: None: any request's call counts (a batch of several requests' chunks, as Code2Wav decodes).
+    rows_of: Callable[[Any], int] | None
 
 
 #: The Thinker's step 3 comes after chunks went to the Talker, the Talker's step 8 after frames
 #: went to Code2Wav; the Talker's ``init_state`` refuses the request's first input (an input of a
-#: shape it cannot take), chunk 0 with async chunk on, the forwarded payload with it off.
+#: shape it cannot take), chunk 0 with async chunk on, the forwarded payload with it off. Code2Wav
+#: decodes a batch of chunks per forward pass: its second one fails, whoever's chunks it holds.
 FAILURES = {
     "thinker_step": Failure("thinker", "step", 3, lambda state: len(state.prompt_token_ids)),
     "talker_step": Failure("talker", "step", 8, lambda state: state.prefill_inputs.shape[0]),
     "talker_input": Failure("talker", "init_state", 1, lambda conditioning: conditioning.num_prompt_rows),
+    "code2wav_decode": Failure("code2wav", "forward", 2, None),
 }
 WHERE = Param("fails", tuple(FAILURES), "which model call raises on the failing request")
 #: What the model raises, as torch words a CUDA out-of-memory.
@@ -50,14 +53,14 @@ _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 def raising_on_one_request(model: _Model, failure: Failure, prompt_rows: int) -> _Model:
     """A copy of ``model`` (sharing its weights) whose ``failure.method`` raises for the request
-    with ``prompt_rows`` prompt rows, at that request's ``failure.at``-th call. Everything else
-    is the real model's."""
+    with ``prompt_rows`` prompt rows (for any request, without ``failure.rows_of``), at that
+    request's ``failure.at``-th call. Everything else is the real model's."""
     calls = 0
     real = getattr(model, failure.method)
 
     def method(arg: Any) -> Any:
         nonlocal calls
-        if failure.rows_of(arg) == prompt_rows:
+        if failure.rows_of is None or failure.rows_of(arg) == prompt_rows:
             calls += 1
             if calls == failure.at:
                 raise RuntimeError(MODEL_ERROR)
@@ -81,8 +84,9 @@ def failing_world(store_kind: str, params: Params) -> World:
 @pipeline_scenario(
     "model_step_failure",
     summary="the Thinker's or the Talker's model raises on one request mid-stream (a CUDA out-of-memory), or the "
-    "Talker's refuses its first input: that request alone fails, once, naming the model's error; the request "
-    "next to it gets its exact text and audio; nothing it sent is left behind",
+    "Talker's refuses its first input, or a Code2Wav decode pass fails: the requests it struck fail, once each, "
+    "naming the model's error (the Thinker's or Talker's: that request alone); the others get their exact text "
+    "and audio; nothing is left behind",
     issue="#4384 (one bad request must not take the engine down); omnisim issue 11 (a blind spot of the mutation "
     "score of runtime/sched: no model ever raised)",
     params=(WHERE, ASYNC_CHUNK),
@@ -90,13 +94,20 @@ def failing_world(store_kind: str, params: Params) -> World:
 )
 async def model_step_failure(world: World) -> None:
     failing = Client(world, "failing", REMAINDER, "F", modalities=("text", "audio"))
-    failing.outcomes = frozenset({"failed"})
     healthy = Client(world, "healthy", SHORT, "H", modalities=("text", "audio"))
+    one_request = FAILURES[world.params["fails"]].rows_of is not None
+    # A failed batch fails the requests whose chunks it held: either, or both.
+    failing.outcomes = frozenset({"failed"} if one_request else {"failed", "finished"})
+    if not one_request:
+        healthy.outcomes = failing.outcomes
     await together(("F", failing.run), ("H", healthy.run))
-    if failing.stream.outcome == "failed":
-        error = failing.stream.error or ""
+    failed = [c for c in (failing, healthy) if c.stream.outcome == "failed"]
+    if not one_request and all(c.stream.outcome == "finished" for c in (failing, healthy)):
+        world.probe("liveness", False, "Code2Wav's decode failed, and yet both requests finished")
+    for client in failed:
+        error = client.stream.error or ""
         world.probe(
             "failures-have-causes",
             MODEL_ERROR in error,
-            f"the failing request's error does not name its model's failure: {error!r}",
+            f"{client.name}'s error does not name its model's failure: {error!r}",
         )

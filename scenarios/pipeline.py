@@ -26,6 +26,7 @@ from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
 from runtime.config.topology import OutputType
+from runtime.connectors.base import Connector
 from runtime.kernel import current_kernel
 from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
@@ -71,6 +72,8 @@ ASYNC_CHUNK = Param("async_chunk", ("on", "off"), "the deploy's async_chunk: chu
 #: When the engine stops: after every request ended, or at a drawn moment while they run.
 SHUTDOWN = Param("shutdown", ("idle", "in_flight"), "the engine shuts down once idle, or while requests run")
 PIPELINE_PARAMS = (MODALITIES, ASYNC_CHUNK, SHUTDOWN)
+#: The stage the Thinker's chunks go to.
+TALKER_STAGE = 1
 #: The most scheduling points an in-flight shutdown waits (a run makes a few thousand).
 SHUTDOWN_WITHIN_POINTS = 1500
 
@@ -90,9 +93,36 @@ def pipeline_world(store_kind: str, params: Params, stage_models: Models | None 
     if params.get("async_chunk") == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     engine = build_engine(config, stage_models or models(), world.store)
+    if config.deploy.async_chunk:
+        watch_talker_input(world, engine.stages[TALKER_STAGE].adapter.connector)
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
     return world
+
+
+def watch_talker_input(world: World, connector: Connector) -> None:
+    """Check each Thinker payload the Talker's connector hands out: the one that starts a request
+    (its ``embed.prefill``) carries the prompt's rows and at least one generated row, unless the
+    Thinker finished without one (spec §4.2: the Talker speaks as soon as chunk 0 arrives, so
+    chunk 0 waits for a generated position)."""
+    get = connector.get
+
+    async def checked_get(*args: Any, **kwargs: Any) -> Any:
+        result = await get(*args, **kwargs)
+        payload = result[0] if result is not None else None
+        prefill = (payload.get("embed") or {}).get("prefill") if isinstance(payload, dict) else None
+        if isinstance(payload, dict) and isinstance(prefill, torch.Tensor):
+            prompt = len((payload.get("ids") or {}).get("prompt") or [])
+            finished = bool((payload.get("meta") or {}).get("finished"))
+            world.probe(
+                "merged-as-spec",
+                prefill.shape[0] > prompt or finished,
+                f"chunk 0 of {args[2]} carries {prefill.shape[0]} rows for a prompt of {prompt}, and the Thinker "
+                "has not finished: no generated row (spec §4.2)",
+            )
+        return result
+
+    connector.get = checked_get  # type: ignore[method-assign]
 
 
 def pipeline_scenario(
