@@ -178,6 +178,8 @@ INITIAL_CHUNK = Param("initial", ("0", "1"), "initial_codec_chunk_frames of the 
 #: and one frame, two chunks and one frame, and a request whose finishing call brings a boundary's
 #: frame (a length cap) for each.
 CHUNKING_LENGTHS = {"one": 1, "two": 2, "chunk": 25, "chunk_and_one": 26, "long": 51, "capped_0": 25, "capped_1": 26}
+#: The requests of :data:`CHUNKING_LENGTHS` that end on their last frame (a boundary of one chunking).
+CAPPED = frozenset({"capped_0", "capped_1"})
 
 
 def chunking_of(params: Mapping[str, str]) -> CodecChunking:
@@ -198,15 +200,14 @@ def chunking_of(params: Mapping[str, str]) -> CodecChunking:
 async def codec_chunkings(world: World) -> None:
     chunking = chunking_of(world.params)
     reqs = {name: EdgeRequest(world, name) for name in CHUNKING_LENGTHS}
-    capped = {name for name in CHUNKING_LENGTHS if name.startswith("capped")}
     jobs = []
     for index, (name, req) in enumerate(reqs.items()):
-        speak = functools.partial(talk, req, CHUNKING_LENGTHS[name], index, stop_frame=name not in capped)
+        speak = functools.partial(talk, req, CHUNKING_LENGTHS[name], index, stop_frame=name not in CAPPED)
         jobs.append((f"{name}.talk", speak))
         jobs.append((f"{name}.listen", lambda req=req: listen(req, chunking)))
     await together(*jobs)
     for name, req in reqs.items():
-        check_chunk_plan(req, CHUNKING_LENGTHS[name], chunking, last_frame_finishes=name in capped)
+        check_chunk_plan(req, CHUNKING_LENGTHS[name], chunking, last_frame_finishes=name in CAPPED)
         await release(req)
 
 

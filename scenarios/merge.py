@@ -15,11 +15,13 @@ the spec says and notes the case (``merge.case``) for the ``merged-as-spec`` inv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from omnisim.world import World
+from runtime.connectors.base import Connector
 from runtime.connectors.keys import external_id_of
 from runtime.kernel import current_kernel
 from runtime.request import Request
@@ -98,21 +100,29 @@ def first_difference(got: object, want: object, path: str = "") -> str | None:
     return None if type(got) is type(want) and got == want else f"{path.rstrip('.')}: {got!r}, not {want!r}"
 
 
+def on_each_get(connector: Connector, see: Callable[[str, dict[str, Any]], None]) -> None:
+    """Have ``see(key, payload)`` look at each payload ``connector`` hands out (a stage payload,
+    a dict), once its get returned it."""
+    get = connector.get
+
+    async def watched_get(*args: Any, **kwargs: Any) -> Any:
+        result = await get(*args, **kwargs)
+        if result is not None and isinstance(result[0], dict):
+            see(str(args[2]), result[0])
+        return result
+
+    connector.get = watched_get  # type: ignore[method-assign]
+
+
 class TakenChunks:
     """The payloads Code2Wav's connector handed out, per external id, in the order taken."""
 
     def __init__(self, world: World, stage_id: int) -> None:
         self.by_ext: dict[str, list[dict[str, Any]]] = {}
-        connector = world.stages[stage_id].connector
-        get = connector.get
-
-        async def recording_get(*args: Any, **kwargs: Any) -> Any:
-            result = await get(*args, **kwargs)
-            if result is not None and isinstance(result[0], dict):
-                self.by_ext.setdefault(external_id_of(str(args[2])), []).append(result[0])
-            return result
-
-        connector.get = recording_get  # type: ignore[method-assign]
+        on_each_get(
+            world.stages[stage_id].connector,
+            lambda key, payload: self.by_ext.setdefault(external_id_of(key), []).append(payload),
+        )
 
     def since(self, ext: str, count: int) -> list[dict[str, Any]]:
         return self.by_ext.get(ext, [])[count:]

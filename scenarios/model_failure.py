@@ -51,10 +51,10 @@ MODEL_ERROR = "CUDA out of memory (injected)"
 _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 
-def raising_on_one_request(model: _Model, failure: Failure, prompt_rows: int) -> _Model:
-    """A copy of ``model`` (sharing its weights) whose ``failure.method`` raises for the request
-    with ``prompt_rows`` prompt rows (for any request, without ``failure.rows_of``), at that
-    request's ``failure.at``-th call. Everything else is the real model's."""
+def failing_copy(model: _Model, failure: Failure, prompt_rows: int) -> _Model:
+    """A copy of ``model`` (sharing its weights) whose ``failure.method`` raises at the
+    ``failure.at``-th call for the request with ``prompt_rows`` prompt rows (without
+    ``failure.rows_of``: at the ``failure.at``-th call of all). Everything else is the real model's."""
     calls = 0
     real = getattr(model, failure.method)
 
@@ -76,7 +76,7 @@ def failing_world(store_kind: str, params: Params) -> World:
     real = models()
     prompt_rows = len(real.thinker.init_state(REMAINDER).prompt_token_ids)
     failure = FAILURES[params["fails"]]
-    failing = raising_on_one_request(getattr(real, failure.stage), failure, prompt_rows)
+    failing = failing_copy(getattr(real, failure.stage), failure, prompt_rows)
     stage_models: Models = dataclasses.replace(real, **{failure.stage: failing})
     return pipeline_world(store_kind, params, stage_models)
 

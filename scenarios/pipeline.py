@@ -35,6 +35,7 @@ from runtime.orchestrator import SHUT_DOWN, Orchestrator
 from runtime.pipeline import Models, build_engine
 from scenarios.codec import note_timestamps
 from scenarios.edge import together
+from scenarios.merge import on_each_get
 
 #: Texts by the frame count they give (see ``frames_for_text``): inside the initial chunk of 4,
 #: one chunk plus a remainder (#5413), and exactly on the 4 + 25 boundary (an empty terminal).
@@ -105,24 +106,21 @@ def watch_talker_input(world: World, connector: Connector) -> None:
     (its ``embed.prefill``) carries the prompt's rows and at least one generated row, unless the
     Thinker finished without one (spec §4.2: the Talker speaks as soon as chunk 0 arrives, so
     chunk 0 waits for a generated position)."""
-    get = connector.get
 
-    async def checked_get(*args: Any, **kwargs: Any) -> Any:
-        result = await get(*args, **kwargs)
-        payload = result[0] if result is not None else None
-        prefill = (payload.get("embed") or {}).get("prefill") if isinstance(payload, dict) else None
-        if isinstance(payload, dict) and isinstance(prefill, torch.Tensor):
-            prompt = len((payload.get("ids") or {}).get("prompt") or [])
-            finished = bool((payload.get("meta") or {}).get("finished"))
-            world.probe(
-                "merged-as-spec",
-                prefill.shape[0] > prompt or finished,
-                f"chunk 0 of {args[2]} carries {prefill.shape[0]} rows for a prompt of {prompt}, and the Thinker "
-                "has not finished: no generated row (spec §4.2)",
-            )
-        return result
+    def check(key: str, payload: dict[str, Any]) -> None:
+        prefill = (payload.get("embed") or {}).get("prefill")
+        if not isinstance(prefill, torch.Tensor):
+            return
+        prompt = len((payload.get("ids") or {}).get("prompt") or [])
+        finished = bool((payload.get("meta") or {}).get("finished"))
+        world.probe(
+            "merged-as-spec",
+            prefill.shape[0] > prompt or finished,
+            f"chunk 0 of {key} carries {prefill.shape[0]} rows for a prompt of {prompt}, and the Thinker "
+            "has not finished: no generated row (spec §4.2)",
+        )
 
-    connector.get = checked_get  # type: ignore[method-assign]
+    on_each_get(connector, check)
 
 
 def pipeline_scenario(
