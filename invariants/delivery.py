@@ -76,6 +76,21 @@ def liveness(world: ObservedWorld) -> list[str]:
     return out
 
 
+@invariant(
+    "streamed-as-made",
+    "a streamed answer reaches its client as it is made: each audio chunk the final stage decodes is on the "
+    "client's stream once the stage hands it out; only the stage's finished output waits for the other stages",
+)
+def streamed_as_made(world: ObservedWorld) -> list[str]:
+    # Noted where a scenario watches the final stage's hand-outs (every in-process pipeline world).
+    return [
+        f"an audio chunk of {ev.attrs['req']} was held back from its client when Code2Wav handed it out "
+        f"(event {ev.index}): the client hears nothing until the whole answer is made"
+        for ev in world.trace
+        if ev.name == "stream.held"
+    ]
+
+
 @invariant("no-crash", "no runtime task dies with an exception")
 def no_crash(world: ObservedWorld) -> list[str]:
     return [f"task {task} crashed: {_last_line(tb)}{_not_the_runtimes(tb)}" for task, tb in world.crashes]

@@ -113,6 +113,10 @@ POINTS: dict[str, tuple[str, str]] = {
     "world.owner_claimed": ("note", "a live process claimed a namespace (it now owns it) [ns]"),
     "process.killed": ("note", "a simulated process was SIGKILLed: its tasks stop for good [process]"),
     "probe.failed": ("note", "a scenario saw an invariant fail by its own check [invariant, message]"),
+    "stream.held": (
+        "note",
+        "a scenario saw an audio chunk Code2Wav handed out stay off its client's stream [req: the stage request]",
+    ),
     "merge.case": ("note", "what a receiver merged after a commit, next to what spec §3.8 says [req, ext, got, want]"),
     "sender.answer": ("note", "what save_async answered, next to what spec §3.3 says it must [req, got, want]"),
     "processor.view": ("note", "what a processor was handed, next to what was queued [req, got, want]"),

@@ -52,6 +52,7 @@ DEFAULT_INVARIANTS = (
     "answers-true",
     "ring-writes-locked",
     "answered-leaves-nothing-unread",
+    "streamed-as-made",
 )
 
 

@@ -821,11 +821,16 @@ class _WorldDirectory:
 
     def entries(self) -> list[Entry]:
         out = []
-        for namespace, (store, _) in sorted(self._world.namespaces.items()):
+        for namespace, (store, process) in sorted(self._world.namespaces.items()):
             names = [f"seg-{k}" for k in store.segments()] + [f"lock-{k}" for k in store.lock_files()]
             names += [f"ring-{k}" for k in store.rings()] + [f"spare-{k}" for k in store.spares()]
-            names += [] if namespace in self._world.owner_records_removed else [namespaces.OWNER_SUFFIX]
-            out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, math.inf) for n in names)
+            # A namespace no process claimed yet (a reader attached to a stage still starting) has
+            # no owner record, and what it holds was just made: its owner is writing the record.
+            claimed = bool(process)
+            if claimed and namespace not in self._world.owner_records_removed:
+                names.append(namespaces.OWNER_SUFFIX)
+            age_s = math.inf if claimed else 0.0
+            out.extend(Entry(f"omnisim-{namespace}-{n}", namespace, True, age_s) for n in names)
         return out
 
     def read_owner(self, namespace: str) -> Owner | None:

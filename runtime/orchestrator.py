@@ -85,9 +85,12 @@ class OutputStream:
     """A request's outputs, in order, for one consumer."""
 
     def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
         self._items: deque[EngineOutput] = deque()
         self._arrived = current_kernel().signal(f"client.{request_id}")
+
+    def __len__(self) -> int:
+        """How many outputs wait to be taken."""
+        return len(self._items)
 
     def put(self, item: EngineOutput) -> None:
         self._items.append(item)

@@ -18,6 +18,8 @@ import torch
 
 from omnisim.registry import Param, Params
 from omnisim.world import World
+from runtime.models.thinker import prompt_token_ids
+from runtime.orchestrator import Unavailable
 from runtime.pipeline import Models
 from scenarios.edge import together
 from scenarios.pipeline import ASYNC_CHUNK, REMAINDER, SHORT, Client, models, pipeline_scenario, pipeline_world
@@ -35,11 +37,13 @@ class Failure(NamedTuple):
 
 
 #: The Thinker's step 3 comes after chunks went to the Talker, the Talker's step 8 after frames
-#: went to Code2Wav; the Talker's ``init_state`` refuses the request's first input (an input of a
-#: shape it cannot take), chunk 0 with async chunk on, the forwarded payload with it off. Code2Wav
+#: went to Code2Wav; the Thinker's ``init_state`` refuses the request at submission (a prompt too
+#: long for it, say: nothing of it ever runs); the Talker's refuses the request's first input (an
+#: input of a shape it cannot take), chunk 0 with async chunk on, the forwarded payload with it off. Code2Wav
 #: decodes a batch of chunks per forward pass: its second one fails, whoever's chunks it holds.
 FAILURES = {
     "thinker_step": Failure("thinker", "step", 3, lambda state: len(state.prompt_token_ids)),
+    "thinker_input": Failure("thinker", "init_state", 1, lambda text: len(prompt_token_ids(text))),
     "talker_step": Failure("talker", "step", 8, lambda state: state.prefill_inputs.shape[0]),
     "talker_input": Failure("talker", "init_state", 1, lambda conditioning: conditioning.num_prompt_rows),
     "code2wav_decode": Failure("code2wav", "forward", 2, None),
@@ -84,7 +88,8 @@ def failing_world(store_kind: str, params: Params) -> World:
 @pipeline_scenario(
     "model_step_failure",
     summary="the Thinker's or the Talker's model raises on one request mid-stream (a CUDA out-of-memory), or the "
-    "Talker's refuses its first input, or a Code2Wav decode pass fails: the requests it struck fail, once each, "
+    "Thinker's refuses a request at submission, or the Talker's its first input, or a Code2Wav decode pass fails: "
+    "the requests it struck fail, once each, "
     "naming the model's error (the Thinker's or Talker's: that request alone); the others get their exact text "
     "and audio; nothing is left behind",
     issue="#4384 (one bad request must not take the engine down); omnisim issue 11 (a blind spot of the mutation "
@@ -110,4 +115,10 @@ async def model_step_failure(world: World) -> None:
             "failures-have-causes",
             MODEL_ERROR in error or bool(world.fired_faults()),  # (a sampled fault may strike it first)
             f"{client.name}'s error does not name its model's failure: {error!r}",
+        )
+        # Every stage lives: the engine is up, and a server must not answer 503, retry later.
+        world.probe(
+            "failures-have-causes",
+            not isinstance(error, Unavailable),
+            f"{client.name} failed of its model's error, yet is told the engine is unavailable: {error!r}",
         )

@@ -34,6 +34,27 @@ def abort_terminal_from_stage0() -> Iterator[Patch]:
 
 
 @mutant(
+    "final_output_held_whole",
+    summary="every output of the request's final stage is held until all stages finished, not only its finished "
+    "one: the text comes as it is made, and the whole audio at the end (a streamed answer plays as a buffered one)",
+    issue="omnisim issue 11 (a survivor of the mutation score of runtime/orchestrator.py)",
+    scenarios=("pipeline_requests",),
+    expect=("streamed-as-made",),
+)
+def final_output_held_whole() -> Iterator[Patch]:
+    def publish(
+        self: Orchestrator, state: RequestState, stage_id: int, kind: OutputType, data: Any, finished: bool
+    ) -> None:
+        item = EngineOutput(state.request_id, stage_id, kind, data, finished)
+        if stage_id == state.final_stage_id:
+            state.pending_final.append(item)
+        else:
+            state.stream.put(item)
+
+    yield Patch(Orchestrator, "_publish", publish)
+
+
+@mutant(
     "final_stage_sends_chunks",
     summary="every stage a request runs on sends chunks, its final-output stage too: a text-only answer's Thinker "
     "puts a chunk per token for a Talker that never asks for them, and only the release sweep removes them",

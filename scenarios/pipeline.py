@@ -31,8 +31,10 @@ from runtime.kernel import current_kernel
 from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
 from runtime.models.thinker import ToyTokenizer
-from runtime.orchestrator import SHUT_DOWN, Orchestrator
+from runtime.orchestrator import Orchestrator
 from runtime.pipeline import Models, build_engine
+from runtime.sched.base import StageOutput
+from runtime.stages import OnOutput
 from scenarios.codec import note_timestamps
 from scenarios.edge import together
 from scenarios.merge import on_each_get
@@ -75,6 +77,8 @@ SHUTDOWN = Param("shutdown", ("idle", "in_flight"), "the engine shuts down once 
 PIPELINE_PARAMS = (MODALITIES, ASYNC_CHUNK, SHUTDOWN)
 #: The stage the Thinker's chunks go to.
 TALKER_STAGE = 1
+#: The stage that decodes audio: an audio answer's final stage.
+CODE2WAV_STAGE = 2
 #: The most scheduling points an in-flight shutdown waits (a run makes a few thousand).
 SHUTDOWN_WITHIN_POINTS = 1500
 
@@ -96,6 +100,7 @@ def pipeline_world(store_kind: str, params: Params, stage_models: Models | None 
     engine = build_engine(config, stage_models or models(), world.store)
     if config.deploy.async_chunk:
         watch_talker_input(world, engine.stages[TALKER_STAGE].adapter.connector)
+    watch_handed_out(engine)
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
     return world
@@ -123,6 +128,28 @@ def watch_talker_input(world: World, connector: Connector) -> None:
     on_each_get(connector, check)
 
 
+def watch_handed_out(engine: Orchestrator) -> None:
+    """Note (``stream.held``) each audio chunk Code2Wav hands out for a client still listening that
+    is not on the client's stream once handed out: only the stage's finished output waits for the
+    other stages (the final-output hold); a held chunk turns a streamed answer into one buffered
+    answer at the end, whatever order the client then reads it in."""
+    code2wav = engine.stages[CODE2WAV_STAGE]
+    run = code2wav.run
+
+    async def run_watched(on_output: OnOutput) -> None:
+        def handed_out(out: StageOutput) -> None:
+            state = engine.requests.get(out.request_id.rpartition("#")[0])
+            listening = state is not None and not state.closed and state.error is None
+            before = len(state.stream) if state is not None else 0
+            on_output(out)
+            if listening and out.data is not None and not out.finished and len(state.stream) == before:
+                current_kernel().note("stream.held", req=out.request_id)
+
+        await run(handed_out)
+
+    code2wav.run = run_watched  # type: ignore[method-assign]
+
+
 def pipeline_scenario(
     name: str,
     *,
@@ -138,6 +165,7 @@ def pipeline_scenario(
         async def run(world: World) -> None:
             if world.params.get("shutdown") != "in_flight":
                 await body(world)
+                await engine_of(world).drain()  # as a user who lets the engine settle before stopping it
                 return
             clients_done = [False]
 
@@ -161,7 +189,15 @@ async def shutdown_in_flight(world: World, clients_done: list[bool]) -> None:
         if clients_done[0]:
             return
         await k.point("scenario.shutdown.wait")
-    engine_of(world).shutdown()
+    engine = engine_of(world)
+    in_flight = {rid for rid, state in engine.requests.items() if not state.closed}
+    engine.shutdown()
+    # A shutdown ends every request in flight at once, with its error terminal: none may finish
+    # (its stages are only stopped after a grace period, time enough to finish it).
+    for rid in in_flight:
+        listening = [s for s in world.streams.values() if s.external_req_id == rid and s.outcome == "open"]
+        if len(listening) == 1:  # (two: an ended generation's client has not read its terminal yet)
+            listening[0].allowed_outcomes = frozenset({"shut down"})
 
 
 def client_modalities(world: World) -> tuple[str, ...]:
@@ -232,13 +268,17 @@ class Client:
                     self.stream.terminals += 1
                     self.stream.ended_us = round(current_kernel().now() * 1e6)
                     self.stream.error = out.error
-                    self.stream.outcome = {None: "finished", "aborted": "aborted", SHUT_DOWN: "shut down"}.get(
-                        out.error, "failed"
-                    )
+                    self.stream.outcome = self.outcome_of(out.error)
                 elif len(self.outputs) == self.leave_after:
                     self.stream.outcome = "left"
                     return
         self.check()
+
+    def outcome_of(self, error: str | None) -> str:
+        """How a request ended, by its terminal's error (the engine's shutdown names its reason)."""
+        if error is None or error == "aborted":
+            return error or "finished"
+        return "shut down" if error == engine_of(self.world).shutdown_error else "failed"
 
     def check(self) -> None:
         probe = self.world.probe
@@ -246,6 +286,17 @@ class Client:
             probe("terminal-delivered", False, f"{self.name}: generate() ended without a terminal output")
             self.stream.outcome = "no terminal"
             return
+        # A client routes a terminal by its kind (#7006): an audio request's ends its audio, or,
+        # answered in full with word timestamps, those (they cover the whole audio: they come last).
+        kind = self.outputs[-1].kind
+        want_kind = OutputType.AUDIO if "audio" in (self.modalities or ()) else OutputType.TEXT
+        if self.word_timestamps and self.stream.outcome == "finished":
+            want_kind = OutputType.TIMESTAMPS
+        probe(
+            "terminal-delivered",
+            kind is want_kind,
+            f"{self.name}: the terminal of a request for {'+'.join(self.modalities or ())} is a {kind.value} output",
+        )
         if self.stream.outcome != "finished":
             return
         want_text, want_audio = offline_answer(self.text)

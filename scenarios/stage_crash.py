@@ -27,6 +27,7 @@ swept, and an operator's ``omnisim sweep`` afterwards touches nothing alive.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
@@ -35,6 +36,7 @@ from omnisim.stage_processes import build_process_engine
 from omnisim.world import World
 from runtime.config.pipeline import load_pipeline
 from runtime.kernel import current_kernel
+from runtime.orchestrator import SHUT_DOWN, Unavailable
 from scenarios.edge import together
 from scenarios.pipeline import BOUNDARY, REMAINDER, SHORT, Client, abort_once_submitted, engine_of, models
 
@@ -66,18 +68,39 @@ RESTART_WITHIN_S = 1.5
 ISOLATION = (*DEFAULT_INVARIANTS, "fault-isolation", "death-noticed", "abort-stops-work", "no-residue-after-sweep")
 
 
+def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
+    """A request failed once its stage's death was noticed is told that the engine is at fault,
+    not the request: Unavailable, which a server answers with 503 and Retry-After (the stage is
+    coming back). One that a survivor failed before the death was noticed (the half-written chunk
+    of its dead writer) is told what the survivor found, naming the stage only."""
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    noticed = next((e.index for e in kernel.trace if e.name == "orch.stage_died"), None)
+    for client in clients:
+        failed_at = next(
+            (e.index for e in kernel.trace if e.name == "orch.fail" and e.attrs["req"] == client.request_id), None
+        )
+        after_death = noticed is not None and failed_at is not None and failed_at > noticed
+        world.probe(
+            "fault-isolation",
+            client.stream.outcome != "failed" or not after_death or isinstance(client.stream.error, Unavailable),
+            f"{client.name} failed after a stage's death was noticed, with an error that does not say a retry "
+            f"may succeed: {client.stream.error!r}",
+        )
+
+
 def crashed(params: Params) -> tuple[str, str]:
     stage, _, phase = params.get("crash", CRASH.values[0]).partition("@")
     return stage, phase
 
 
-def build(store_kind: str, params: Params) -> World:
+def build(store_kind: str, params: Params, *, restart: str = "restart") -> World:
     world = World(store_kind, processes=True)
     kernel = current_kernel()
     assert isinstance(kernel, SimKernel)
     kernel.compute_cost_s = MODEL_STEP_S
     config = load_pipeline("qwen3_omni")
-    config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, processes=True))
+    config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, processes=True, restart=restart))
     engine = build_process_engine(world, config, models())
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
@@ -122,6 +145,7 @@ async def stage_crash(world: World) -> None:
         await again.run()  # the same id once V ended: served by whatever lives now
 
     await together(("V", victim_then_reuse), ("T", text_only.run))
+    check_failed_after_death(world, (victim, text_only))
     # An operator's sweep after the crash: what is dead is gone already, what lives stays.
     await world.sweep_dead()
     engine = engine_of(world)
@@ -136,4 +160,53 @@ async def stage_crash(world: World) -> None:
         "fault-isolation",
         not world.deaths or engine.stages[sid].health()["restarts"] >= 1,
         f"{stage} died but was never restarted",
+    )
+
+
+#: Where a stage dies in ``stage_crash_no_restart``: each stage, in the middle of V's stream.
+NO_RESTART_CRASH = Param(
+    "crash", tuple(f"{stage}@mid_stream" for stage in STAGE_IDS), "which stage dies, in the middle of V's stream"
+)
+
+
+@scenario(
+    "stage_crash_no_restart",
+    summary="with `restart: fail` a stage process that dies takes the engine down: the requests bound to it fail, "
+    "naming it; every other request ends with the engine's shutdown, which names the death; a request submitted "
+    "afterwards is refused as shut down; the dead stage is not restarted and nothing is left",
+    issue="issue 10; upstream fault isolation (a stage that must not restart)",
+    build=functools.partial(build, restart="fail"),
+    invariants=ISOLATION,
+    horizon_s=60.0,
+    budget_share=0.5,
+    params=(NO_RESTART_CRASH,),
+)
+async def stage_crash_no_restart(world: World) -> None:
+    stage, _ = crashed(world.params)
+    victim = Client(world, "V", BOUNDARY, "V")
+    victim.outcomes = frozenset({"finished", "failed", "shut down"})
+    text_only = Client(world, "T", REMAINDER, "T", modalities=("text",))
+    text_only.outcomes = frozenset({"finished", "failed" if stage == "thinker" else "shut down", "shut down"})
+    await together(("V", victim.run), ("T", text_only.run))
+    check_failed_after_death(world, (victim, text_only))
+    engine = engine_of(world)
+    again = Client(world, "V.again", SHORT, "V")
+    await again.run()
+    # (Judged once it ended: the stage may die under it, when an injected fault ended V early.)
+    again.outcomes = frozenset({"shut down", "failed"} if world.deaths else {"finished"})
+    k = current_kernel()
+    deadline = k.now() + RESTART_WITHIN_S
+    while world.deaths and engine.shutdown_error == SHUT_DOWN and k.now() < deadline:
+        await k.sleep(0.05)  # the supervisor has a second to notice the death
+    if world.deaths:
+        died = f"stage {stage} died"
+        world.probe(
+            "fault-isolation",
+            isinstance(engine.shutdown_error, Unavailable) and died in engine.shutdown_error,
+            f"{stage} died, which `restart: fail` makes the engine's end; the engine says {engine.shutdown_error!r}",
+        )
+    world.probe(
+        "fault-isolation",
+        engine.stages[STAGE_IDS[stage]].health()["restarts"] == 0,
+        f"{stage} was restarted though its restart policy is fail",
     )

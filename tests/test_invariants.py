@@ -227,6 +227,15 @@ def test_answered_leaves_nothing_unread_looks_at_answered_requests_only() -> Non
     ]
 
 
+def test_streamed_as_made_reports_each_held_chunk() -> None:
+    assert INVARIANTS["streamed-as-made"].check(world_of(("orch.accepted", {"req": "A"}))) == []
+    held = world_of(("orch.accepted", {"req": "A"}), ("stream.held", {"req": "A#2"}))
+    assert INVARIANTS["streamed-as-made"].check(held) == [
+        "an audio chunk of A#2 was held back from its client when Code2Wav handed it out (event 1): the client "
+        "hears nothing until the whole answer is made"
+    ]
+
+
 def test_a_probe_finding_counts_for_its_own_invariant_only() -> None:
     world = world_of(("probe.failed", {"invariant": "samples-exactly-once", "message": "A: 10 samples, want 12"}))
     assert check(world, ["samples-exactly-once", "no-crash"]) == [
