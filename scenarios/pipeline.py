@@ -31,7 +31,7 @@ from runtime.kernel import current_kernel
 from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
 from runtime.models.thinker import ToyTokenizer
-from runtime.orchestrator import Orchestrator
+from runtime.orchestrator import ABORTED, Orchestrator
 from runtime.pipeline import Models, build_engine
 from runtime.sched.base import StageOutput
 from runtime.stages import OnOutput
@@ -139,10 +139,12 @@ def watch_handed_out(engine: Orchestrator) -> None:
     async def run_watched(on_output: OnOutput) -> None:
         def handed_out(out: StageOutput) -> None:
             state = engine.requests.get(out.request_id.rpartition("#")[0])
-            listening = state is not None and not state.closed and state.error is None
-            before = len(state.stream) if state is not None else 0
+            if state is None or state.closed or state.error is not None:
+                on_output(out)  # no client listens for it any more
+                return
+            before = len(state.stream)
             on_output(out)
-            if listening and out.data is not None and not out.finished and len(state.stream) == before:
+            if out.data is not None and not out.finished and len(state.stream) == before:
                 current_kernel().note("stream.held", req=out.request_id)
 
         await run(handed_out)
@@ -276,8 +278,8 @@ class Client:
 
     def outcome_of(self, error: str | None) -> str:
         """How a request ended, by its terminal's error (the engine's shutdown names its reason)."""
-        if error is None or error == "aborted":
-            return error or "finished"
+        if error is None or error == ABORTED:
+            return "finished" if error is None else "aborted"
         return "shut down" if error == engine_of(self.world).shutdown_error else "failed"
 
     def check(self) -> None:
