@@ -1,9 +1,10 @@
 """The configuration contract of spec §1 and #7544, checked as a scenario so its mutants run
-through the same harness: the resolution table, prewarm, delivery, and the start-up validator."""
+through the same harness: the resolution table, prewarm, delivery, the start-up validator, and the
+one pipeline shape this runtime runs (a config that says otherwise is refused at start-up)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
 
@@ -15,6 +16,8 @@ from runtime.config import resolve
 from runtime.config.fields import ConfigError
 from runtime.config.pipeline import build_pipeline, load_pipeline
 from runtime.kernel import current_kernel
+from runtime.stages import build_stages, check_shape
+from scenarios.pipeline import models
 
 #: (pipeline-wide, stage) -> resolved async_chunk (spec §1.2).
 RESOLUTION_TABLE = {
@@ -47,8 +50,8 @@ def no_world(store_kind: str) -> World:
 
 @scenario(
     "config_contract",
-    summary="async_chunk resolution (and, never or), the aligner opt-out, any_stage_async, prewarm, delivery and the "
-    "start-up edge validator, on the shipped configs and their variants",
+    summary="async_chunk resolution (and, never or), the aligner opt-out, any_stage_async, prewarm, delivery, the "
+    "start-up edge validator and the pipeline shape the runtime runs, on the shipped configs and their variants",
     issue="#7544, spec §1",
     build=no_world,
     invariants=("config-contract", "no-crash"),
@@ -89,6 +92,62 @@ async def config_contract(world: World) -> None:
     except ConfigError:
         verdict = "refused"
     fact("Talker(False) -> Code2Wav(True) at start-up (accepted, it hangs at run time)", verdict, "refused")
+
+    # The one shape this runtime runs: a config that says otherwise is refused before any stage is
+    # built (it would run as something else than it says), and the shipped one is not.
+    fact("the shipped qwen3_omni pipeline's shape", start_up_verdict(omni_raw()), "accepted")
+    for what, change, want in SHAPE_CASES:
+        raw = omni_raw()
+        change(raw["pipeline"]["stages"])
+        fact(f"a pipeline whose {what}", start_up_verdict(raw), want)
+    raw = omni_raw()
+    raw["pipeline"]["stages"][2]["kind"] = "LLM_AR"
+    try:
+        build_stages(build_pipeline(raw), models(), world.store)
+        verdict = "accepted"
+    except ValueError:
+        verdict = "refused"
+    fact("building the stages of a pipeline whose Code2Wav runs as LLM_AR", verdict, "refused")
+
+
+def _set(stage_id: int, **values: Any) -> Callable[[list[dict[str, Any]]], None]:
+    return lambda stages: stages[stage_id].update(values)
+
+
+#: (what differs from the shipped pipeline, the change, what building its stages must give).
+SHAPE_CASES: tuple[tuple[str, Callable[[list[dict[str, Any]]], None], str], ...] = (
+    (
+        "Thinker and Talker models are swapped",
+        lambda stages: (stages[0].update(model="talker"), stages[1].update(model="thinker")),
+        "refused",
+    ),
+    ("Code2Wav runs as LLM_AR", _set(2, kind="LLM_AR"), "refused"),
+    ("Talker returns audio to the client", _set(1, final_output="audio"), "refused"),
+    ("Thinker returns audio to the client", _set(0, final_output="audio"), "refused"),
+    (
+        "Thinker names the Talker's chunk processor",
+        _set(0, async_chunk_processor="talker2code2wav_async_chunk"),
+        "refused",
+    ),
+    ("Talker stops on [7] (not its codec's stop token)", _set(1, stop_token_ids=[7]), "refused"),
+    ("Talker stops on [2150, 7]", _set(1, stop_token_ids=[2150, 7]), "accepted"),
+    (
+        "Talker names no stop ids (its codec's is the default)",
+        lambda stages: stages[1].pop("stop_token_ids"),
+        "accepted",
+    ),
+)
+
+
+def start_up_verdict(raw: dict[str, Any]) -> str:
+    """Whether building the stages of the pipeline ``raw`` describes is refused at start-up
+    (before anything is made: the shape is checked first)."""
+    try:
+        config = build_pipeline(raw)
+        check_shape(config)
+    except (ConfigError, ValueError):
+        return "refused"
+    return "accepted"
 
 
 @mutant(

@@ -77,6 +77,8 @@ SHUTDOWN = Param("shutdown", ("idle", "in_flight"), "the engine shuts down once 
 PIPELINE_PARAMS = (MODALITIES, ASYNC_CHUNK, SHUTDOWN)
 #: The stage the Thinker's chunks go to.
 TALKER_STAGE = 1
+#: What chunk 0 carries besides the prefill rows (spec §4.2): the Thinker's TTS special embeddings.
+TTS_EMBEDS = frozenset({"tts_bos", "tts_eos", "tts_pad"})
 #: The stage that decodes audio: an audio answer's final stage.
 CODE2WAV_STAGE = 2
 #: The most scheduling points an in-flight shutdown waits (a run makes a few thousand).
@@ -110,19 +112,35 @@ def watch_talker_input(world: World, connector: Connector) -> None:
     """Check each Thinker payload the Talker's connector hands out: the one that starts a request
     (its ``embed.prefill``) carries the prompt's rows and at least one generated row, unless the
     Thinker finished without one (spec §4.2: the Talker speaks as soon as chunk 0 arrives, so
-    chunk 0 waits for a generated position)."""
+    chunk 0 waits for a generated position), the TTS special embeddings, and the request's token
+    ids so far."""
 
     def check(key: str, payload: dict[str, Any]) -> None:
-        prefill = (payload.get("embed") or {}).get("prefill")
+        embed = payload.get("embed") or {}
+        prefill = embed.get("prefill")
         if not isinstance(prefill, torch.Tensor):
             return
-        prompt = len((payload.get("ids") or {}).get("prompt") or [])
+        missing = sorted(TTS_EMBEDS - set(embed))
+        world.probe(
+            "merged-as-spec", not missing, f"chunk 0 of {key} lacks embed.{', embed.'.join(missing)} (spec §4.2)"
+        )
+        ids = payload.get("ids") or {}
+        prompt = list(ids.get("prompt") or [])
         finished = bool((payload.get("meta") or {}).get("finished"))
         world.probe(
             "merged-as-spec",
-            prefill.shape[0] > prompt or finished,
-            f"chunk 0 of {key} carries {prefill.shape[0]} rows for a prompt of {prompt}, and the Thinker "
+            prefill.shape[0] > len(prompt) or finished,
+            f"chunk 0 of {key} carries {prefill.shape[0]} rows for a prompt of {len(prompt)}, and the Thinker "
             "has not finished: no generated row (spec §4.2)",
+        )
+        # ids.all is the request's token ids so far: the prompt, then every token generated,
+        # one for each generated row and the one the last row predicted.
+        every = list(ids.get("all") or [])
+        world.probe(
+            "merged-as-spec",
+            every[: len(prompt)] == prompt and len(every) >= max(prefill.shape[0], len(prompt) + 1),
+            f"chunk 0 of {key} carries ids.all of {len(every)} tokens for {prefill.shape[0]} rows and a prompt of "
+            f"{len(prompt)}: not the prompt and the tokens generated so far (spec §4.2)",
         )
 
     on_each_get(connector, check)

@@ -63,6 +63,18 @@ def test_chunk_zero_waits_for_a_generated_row() -> None:
     assert later is not None and later["embed"]["decode"].shape[0] == 1 and "prefill" not in later["embed"]
 
 
+def test_chunk_zero_that_waited_keeps_the_prefill_steps_tts_embeddings() -> None:
+    """The Thinker hands its TTS special embeddings over with the prefill step only (spec §4.2:
+    chunk 0 carries them): the chunk 0 sent a step later must still carry them."""
+    request = Request("t", "R", prompt_token_ids=[1, 2, 3])
+    tm = FakeTransfer()
+    tts = THINKER.tts_embeds()
+    assert tm.send(request, {**rows(3), "embed": tts}, False) is None
+    first = tm.send(request, rows(1), False)
+    assert first is not None and {"tts_bos", "tts_eos", "tts_pad"} <= set(first["embed"])
+    assert all(torch.equal(first["embed"][name], row) for name, row in tts.items())
+
+
 def test_a_thinker_finishing_in_its_prefill_sends_what_it_has() -> None:
     request = Request("t", "R", prompt_token_ids=[1, 2])
     payload = FakeTransfer().send(request, rows(2), True)

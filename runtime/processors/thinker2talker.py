@@ -57,11 +57,14 @@ def thinker2talker_async_chunk(
             return None
         return {"embed": {"decode": emb}, "meta": {"finished": finished}}
 
+    tts = {name: row for name, row in (multimodal_output.get("embed") or {}).items() if name.startswith("tts_")}
     cached = context.take_cached_payload()
     if cached is not None:
         emb = torch.cat([cached["embed"]["prefill"], emb])
         hid = torch.cat([cached["hidden_states"]["output"], hid])
-    tts = {name: row for name, row in (multimodal_output.get("embed") or {}).items() if name.startswith("tts_")}
+        # The Thinker hands its TTS embeddings over with the prefill step only: the chunk 0 that
+        # waited for a generated row carries the cached ones.
+        tts = {**{name: row for name, row in cached["embed"].items() if name.startswith("tts_")}, **tts}
     payload = {
         "embed": {"prefill": emb, **tts},
         "hidden_states": {"output": hid},
