@@ -186,7 +186,8 @@ async def stage_crash_no_restart(world: World) -> None:
     victim = Client(world, "V", BOUNDARY, "V")
     victim.outcomes = frozenset({"finished", "failed", "shut down"})
     text_only = Client(world, "T", REMAINDER, "T", modalities=("text",))
-    text_only.outcomes = frozenset({"finished", "failed" if stage == "thinker" else "shut down", "shut down"})
+    # On the Thinker alone: the Thinker's death fails it, any other ends it with the engine.
+    text_only.outcomes = frozenset({"finished", "shut down"} | ({"failed"} if stage == "thinker" else set()))
     await together(("V", victim.run), ("T", text_only.run))
     check_failed_after_death(world, (victim, text_only))
     engine = engine_of(world)
