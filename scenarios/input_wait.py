@@ -1,18 +1,23 @@
-"""#4855 R1.1 and #3736: the Code2Wav scheduler's input-wait deadline, with the real scheduler.
+"""#4855 R1.1 and #3736: the input-wait deadline, with the real schedulers.
 
 A producer that dies between chunks must turn into an error for its client within the deadline
 (not a hang), a long but healthy stream must never time out (the deadline measures stall time),
 and a deadline of 0 means "disabled", not "immediately". The request that times out does so
 while parked for a chunk, in the middle of a step: the #3736 path, where a freed request must
-never be polled or re-queued again.
+never be polled or re-queued again. ``input_wait_deadline`` drives Code2Wav's scheduler at its
+edge; ``talker_input_wait_deadline`` the Talker's, in the whole pipeline, behind a Thinker whose
+steps are slower than the Talker's deadline.
 """
 
 from __future__ import annotations
 
-from omnisim.registry import scenario
+from omnisim.registry import Param, Params, scenario
+from omnisim.sim_kernel import SimKernel
 from omnisim.world import World
+from runtime.kernel import current_kernel
 from scenarios.codec import audio_requests, code2wav_scheduler, code2wav_stage, codec_world, talk
 from scenarios.edge import failure_watch, release, together
+from scenarios.pipeline import REMAINDER, SHORT, TALKER_STAGE, Client, engine_of, pipeline_scenario, pipeline_world
 
 #: Short enough for a virtual-time run, longer than any gap of the healthy stream (25 frames × 40 ms).
 DEADLINE_S = 2.0
@@ -52,3 +57,57 @@ async def input_wait_deadline(world: World) -> None:
     )
     for req in (*reqs, *later):
         await release(req)
+
+
+#: Virtual seconds each model call takes behind the Talker's deadline: the Thinker's steps come
+#: further apart than the Talker waits (a long prompt's prefill, a GPU shared with other work).
+SLOW_STEP_S = 0.2
+#: The Talker's input-wait deadline there: half a Thinker step.
+TALKER_DEADLINE_S = 0.1
+#: By when the request must have failed: the deadline, the Thinker step the Talker's check comes
+#: after, and the Talker's own step in flight.
+FAILED_WITHIN_S = TALKER_DEADLINE_S + 2 * SLOW_STEP_S
+DEADLINE = Param("deadline", ("short", "off"), "the Talker's input-wait deadline: half a Thinker step, or 0 (off)")
+
+
+def slow_thinker_world(store_kind: str, params: Params) -> World:
+    """The pipeline with every model call taking :data:`SLOW_STEP_S` and the Talker's deadline
+    set as a deploy file sets a stage's (Code2Wav keeps the default, far longer)."""
+    world = pipeline_world(store_kind, params)
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    kernel.compute_cost_s = SLOW_STEP_S
+    talker = engine_of(world).stages[TALKER_STAGE].scheduler
+    talker.input_wait_timeout_s = TALKER_DEADLINE_S if params["deadline"] == "short" else 0.0
+    return world
+
+
+@pipeline_scenario(
+    "talker_input_wait_deadline",
+    summary="the Thinker's steps come further apart than the Talker's input-wait deadline: the Talker fails the "
+    "audio request within its deadline, naming the timeout, and the text-only request next to it is answered in "
+    "full; with the deadline off (0) the audio request is answered in full too",
+    issue="#4855 R1.1 (the AR stage's deadline); omnisim issue 11 (a blind spot of runtime/sched's mutation score)",
+    params=(DEADLINE,),
+    build=slow_thinker_world,
+)
+async def talker_input_wait_deadline(world: World) -> None:
+    short = world.params["deadline"] == "short"
+    spoken = Client(world, "spoken", REMAINDER, "S", modalities=("text", "audio"))
+    spoken.outcomes = frozenset({"failed"} if short else {"finished"})
+    written = Client(world, "written", SHORT, "W", modalities=("text",))
+    await together(("S", spoken.run), ("W", written.run))
+    if short and spoken.stream.outcome == "failed":
+        error = spoken.stream.error or ""
+        world.probe(
+            "failures-have-causes",
+            "talker" in error and "Timed out waiting for connector input" in error,
+            f"{spoken.name} failed with {error!r}, which names no input-wait timeout of the Talker",
+        )
+        ended_s = (spoken.stream.ended_us or 0) / 1e6
+        world.probe(
+            "liveness",
+            ended_s <= FAILED_WITHIN_S,
+            f"{spoken.name} failed {ended_s:g}s in, past the Talker's deadline of {TALKER_DEADLINE_S:g}s and its "
+            f"next steps ({FAILED_WITHIN_S:g}s)",
+        )
