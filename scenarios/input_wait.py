@@ -64,9 +64,10 @@ async def input_wait_deadline(world: World) -> None:
 SLOW_STEP_S = 0.2
 #: The Talker's input-wait deadline there: half a Thinker step.
 TALKER_DEADLINE_S = 0.1
-#: By when the request must have failed: the deadline, the Thinker step the Talker's check comes
-#: after, and the Talker's own step in flight.
-FAILED_WITHIN_S = TALKER_DEADLINE_S + 2 * SLOW_STEP_S
+#: By when the request must have ended: the deadline and the Talker's next look (within a step),
+#: then the Thinker's round of steps in flight before it drops the request (one step for each of
+#: its two requests) and one step more.
+FAILED_WITHIN_S = TALKER_DEADLINE_S + 4 * SLOW_STEP_S
 DEADLINE = Param("deadline", ("short", "off"), "the Talker's input-wait deadline: half a Thinker step, or 0 (off)")
 
 
