@@ -68,7 +68,15 @@ TALKER_DEADLINE_S = 0.1
 #: then the Thinker's round of steps in flight before it drops the request (one step for each of
 #: its two requests) and one step more.
 FAILED_WITHIN_S = TALKER_DEADLINE_S + 4 * SLOW_STEP_S
-DEADLINE = Param("deadline", ("short", "off"), "the Talker's input-wait deadline: half a Thinker step, or 0 (off)")
+#: A deadline longer than any stall of the healthy stream (chunk 0 waits two Thinker rounds),
+#: far shorter than the whole stream: it measures stall time, so it never fires.
+LONG_DEADLINE_S = 1.0
+DEADLINES = {"short": TALKER_DEADLINE_S, "long": LONG_DEADLINE_S, "off": 0.0}
+DEADLINE = Param(
+    "deadline",
+    tuple(DEADLINES),
+    "the Talker's input-wait deadline: half a Thinker step, longer than any stall but not the stream, or 0 (off)",
+)
 
 
 def slow_thinker_world(store_kind: str, params: Params) -> World:
@@ -79,7 +87,7 @@ def slow_thinker_world(store_kind: str, params: Params) -> World:
     assert isinstance(kernel, SimKernel)
     kernel.compute_cost_s = SLOW_STEP_S
     talker = engine_of(world).stages[TALKER_STAGE].scheduler
-    talker.input_wait_timeout_s = TALKER_DEADLINE_S if params["deadline"] == "short" else 0.0
+    talker.input_wait_timeout_s = DEADLINES[params["deadline"]]
     return world
 
 
@@ -87,7 +95,7 @@ def slow_thinker_world(store_kind: str, params: Params) -> World:
     "talker_input_wait_deadline",
     summary="the Thinker's steps come further apart than the Talker's input-wait deadline: the Talker fails the "
     "audio request within its deadline, naming the timeout, and the text-only request next to it is answered in "
-    "full; with the deadline off (0) the audio request is answered in full too",
+    "full; with a deadline longer than any stall (shorter than the stream), or off (0), it is answered in full too",
     issue="#4855 R1.1 (the AR stage's deadline); omnisim issue 11 (a blind spot of runtime/sched's mutation score)",
     params=(DEADLINE,),
     build=slow_thinker_world,
