@@ -89,6 +89,27 @@ def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
         )
 
 
+async def text_while_down(world: World, stage: str) -> None:
+    """A text-only request submitted while ``stage`` (not the Thinker) is down is accepted at once
+    and answered in full: it needs the Thinker alone, so it never waits for the restart."""
+    engine = engine_of(world)
+    if engine.stages[STAGE_IDS[stage]].health()["alive"]:
+        return  # (back already, or never noticed dead: nothing to show)
+    await Client(world, "T.meanwhile", SHORT, "M", modalities=("text",)).run()
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    asked_us, accepted_us = (
+        next(e.time_us for e in kernel.trace if e.name == name and e.attrs["req"] == "M")
+        for name in ("orch.submit", "orch.accepted")
+    )
+    world.probe(
+        "fault-isolation",
+        accepted_us == asked_us,
+        f"a text-only request submitted while {stage} was down waited {(accepted_us - asked_us) / 1e6:g}s to be "
+        "accepted: it needs the Thinker alone",
+    )
+
+
 def crashed(params: Params) -> tuple[str, str]:
     stage, _, phase = params.get("crash", CRASH.values[0]).partition("@")
     return stage, phase
@@ -142,6 +163,8 @@ async def stage_crash(world: World) -> None:
             await together(("V.first", victim.run), ("V.abort", lambda: abort_once_submitted(victim, after_points=40)))
         else:
             await victim.run()
+        if stage != "thinker":
+            await text_while_down(world, stage)
         await again.run()  # the same id once V ended: served by whatever lives now
 
     await together(("V", victim_then_reuse), ("T", text_only.run))
