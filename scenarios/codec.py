@@ -128,15 +128,24 @@ ENDS_ON_A_FRAME = frozenset({"capped"})
     budget_share=0.25,
 )
 async def codec_chunk_boundaries(world: World) -> None:
-    reqs = {name: EdgeRequest(world, name) for name in LENGTHS}
+    await chunk_requests(world, LENGTHS, ENDS_ON_A_FRAME, OMNI_CHUNKING)
+
+
+async def chunk_requests(
+    world: World, lengths: Mapping[str, int], ends_on_a_frame: frozenset[str], chunking: CodecChunking
+) -> None:
+    """Talk and listen to one request of each of ``lengths`` at once (those in
+    ``ends_on_a_frame`` without a stop frame), check each one's chunks against spec §4.1's plan,
+    and release them."""
+    reqs = {name: EdgeRequest(world, name) for name in lengths}
     jobs = []
     for index, (name, req) in enumerate(reqs.items()):
-        speak = functools.partial(talk, req, LENGTHS[name], index, stop_frame=name not in ENDS_ON_A_FRAME)
+        speak = functools.partial(talk, req, lengths[name], index, stop_frame=name not in ends_on_a_frame)
         jobs.append((f"{name}.talk", speak))
-        jobs.append((f"{name}.listen", lambda req=req: listen(req)))
+        jobs.append((f"{name}.listen", lambda req=req: listen(req, chunking)))
     await together(*jobs)
     for name, req in reqs.items():
-        check_chunk_plan(req, LENGTHS[name], OMNI_CHUNKING, last_frame_finishes=name in ENDS_ON_A_FRAME)
+        check_chunk_plan(req, lengths[name], chunking, last_frame_finishes=name in ends_on_a_frame)
         await release(req)
 
 
@@ -198,17 +207,7 @@ def chunking_of(params: Mapping[str, str]) -> CodecChunking:
     params=(INITIAL_CHUNK,),
 )
 async def codec_chunkings(world: World) -> None:
-    chunking = chunking_of(world.params)
-    reqs = {name: EdgeRequest(world, name) for name in CHUNKING_LENGTHS}
-    jobs = []
-    for index, (name, req) in enumerate(reqs.items()):
-        speak = functools.partial(talk, req, CHUNKING_LENGTHS[name], index, stop_frame=name not in CAPPED)
-        jobs.append((f"{name}.talk", speak))
-        jobs.append((f"{name}.listen", lambda req=req: listen(req, chunking)))
-    await together(*jobs)
-    for name, req in reqs.items():
-        check_chunk_plan(req, CHUNKING_LENGTHS[name], chunking, last_frame_finishes=name in CAPPED)
-        await release(req)
+    await chunk_requests(world, CHUNKING_LENGTHS, CAPPED, chunking_of(world.params))
 
 
 @functools.cache

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
+from invariants.observed import TraceEvent
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
 from omnisim.sim_kernel import SimKernel
@@ -66,6 +68,8 @@ CRASH = Param("crash", tuple(f"{stage}@{phase}" for stage, phase in CRASHES), "w
 RESTART_WITHIN_S = 1.5
 #: The invariants of a stage death, on top of the defaults.
 ISOLATION = (*DEFAULT_INVARIANTS, "fault-isolation", "death-noticed", "abort-stops-work", "no-residue-after-sweep")
+#: How both scenarios of a stage death run: its invariants, and a long run's horizon and budget.
+PROCESS_RUN: dict[str, Any] = {"invariants": ISOLATION, "horizon_s": 60.0, "budget_share": 0.5}
 
 
 def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
@@ -73,14 +77,10 @@ def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
     not the request: Unavailable, which a server answers with 503 and Retry-After (the stage is
     coming back). One that a survivor failed before the death was noticed (the half-written chunk
     of its dead writer) is told what the survivor found, naming the stage only."""
-    kernel = current_kernel()
-    assert isinstance(kernel, SimKernel)
-    noticed = next((e.index for e in kernel.trace if e.name == "orch.stage_died"), None)
+    noticed = first_event("orch.stage_died")
     for client in clients:
-        failed_at = next(
-            (e.index for e in kernel.trace if e.name == "orch.fail" and e.attrs["req"] == client.request_id), None
-        )
-        after_death = noticed is not None and failed_at is not None and failed_at > noticed
+        failed = first_event("orch.fail", req=client.request_id)
+        after_death = noticed is not None and failed is not None and failed.index > noticed.index
         world.probe(
             "fault-isolation",
             client.stream.outcome != "failed" or not after_death or isinstance(client.stream.error, Unavailable),
@@ -96,17 +96,22 @@ async def text_while_down(world: World, stage: str) -> None:
     if engine.stages[STAGE_IDS[stage]].health()["alive"]:
         return  # (back already, or never noticed dead: nothing to show)
     await Client(world, "T.meanwhile", SHORT, "M", modalities=("text",)).run()
-    kernel = current_kernel()
-    assert isinstance(kernel, SimKernel)
-    asked_us, accepted_us = (
-        next(e.time_us for e in kernel.trace if e.name == name and e.attrs["req"] == "M")
-        for name in ("orch.submit", "orch.accepted")
-    )
+    asked, accepted = first_event("orch.submit", req="M"), first_event("orch.accepted", req="M")
+    assert asked is not None and accepted is not None  # (it ran to its end above)
     world.probe(
         "fault-isolation",
-        accepted_us == asked_us,
-        f"a text-only request submitted while {stage} was down waited {(accepted_us - asked_us) / 1e6:g}s to be "
-        "accepted: it needs the Thinker alone",
+        accepted.time_us == asked.time_us,
+        f"a text-only request submitted while {stage} was down waited {(accepted.time_us - asked.time_us) / 1e6:g}s "
+        "to be accepted: it needs the Thinker alone",
+    )
+
+
+def first_event(name: str, **attrs: str) -> TraceEvent | None:
+    """The run's first trace event ``name`` with ``attrs``, so far."""
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    return next(
+        (e for e in kernel.trace if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())), None
     )
 
 
@@ -136,9 +141,7 @@ def build(store_kind: str, params: Params, *, restart: str = "restart") -> World
     "bound to it fail, once, naming it; it restarts in a new namespace and serves the reused id; nothing is left",
     issue="issue 10; upstream fault isolation",
     build=build,
-    invariants=ISOLATION,
-    horizon_s=60.0,
-    budget_share=0.5,
+    **PROCESS_RUN,
     params=(CRASH,),
 )
 async def stage_crash(world: World) -> None:
@@ -199,9 +202,7 @@ NO_RESTART_CRASH = Param(
     "afterwards is refused as shut down; the dead stage is not restarted and nothing is left",
     issue="issue 10; upstream fault isolation (a stage that must not restart)",
     build=functools.partial(build, restart="fail"),
-    invariants=ISOLATION,
-    horizon_s=60.0,
-    budget_share=0.5,
+    **PROCESS_RUN,
     params=(NO_RESTART_CRASH,),
 )
 async def stage_crash_no_restart(world: World) -> None:

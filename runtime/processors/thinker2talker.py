@@ -36,6 +36,11 @@ def _layer(layers: dict[Any, torch.Tensor], index: int) -> torch.Tensor | None:
     return found if found is not None else layers.get(str(index))
 
 
+def _tts_embeds(embed: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The TTS special embeddings (``tts_bos``, ``tts_eos``, ``tts_pad``) among ``embed``'s."""
+    return {name: row for name, row in embed.items() if name.startswith("tts_")}
+
+
 def thinker2talker_async_chunk(
     context: GenerationContext,
     multimodal_output: dict[str, Any],
@@ -57,14 +62,14 @@ def thinker2talker_async_chunk(
             return None
         return {"embed": {"decode": emb}, "meta": {"finished": finished}}
 
-    tts = {name: row for name, row in (multimodal_output.get("embed") or {}).items() if name.startswith("tts_")}
+    tts = _tts_embeds(multimodal_output.get("embed") or {})
     cached = context.take_cached_payload()
     if cached is not None:
         emb = torch.cat([cached["embed"]["prefill"], emb])
         hid = torch.cat([cached["hidden_states"]["output"], hid])
         # The Thinker hands its TTS embeddings over with the prefill step only: the chunk 0 that
         # waited for a generated row carries the cached ones.
-        tts = {**{name: row for name, row in cached["embed"].items() if name.startswith("tts_")}, **tts}
+        tts = {**_tts_embeds(cached["embed"]), **tts}
     payload = {
         "embed": {"prefill": emb, **tts},
         "hidden_states": {"output": hid},
