@@ -190,9 +190,11 @@ def ring_retired(view: memoryview) -> bool:
     return len(view) >= RING_HEADER and _RING_RETIRED.unpack_from(view, 36)[0] != 0
 
 
-def ring_unread_keys(view: memoryview) -> set[str]:
-    """The keys whose chunks the ring whose bytes are ``view`` holds unread or being written."""
-    return {key for _, state, key, _ in _ring_frames(view) if state in (1, 2)}
+def ring_unread_keys(view: memoryview, *, written: bool = False) -> set[str]:
+    """The keys whose chunks the ring whose bytes are ``view`` holds unread or being written
+    (``written``: unread only, their write committed)."""
+    states = (2,) if written else (1, 2)
+    return {key for _, state, key, _ in _ring_frames(view) if state in states}
 
 
 def ring_frames_held(view: memoryview) -> list[str]:
@@ -268,7 +270,8 @@ def full_store_clean(world: ObservedWorld) -> list[str]:
 @invariant(
     "answers-true",
     "what a connector answers is what it did: a put's result (its bytes and the key its metadata names, or no "
-    "bytes and the cause), a cleanup's whether it removed an unread chunk (a segment of ours, or a frame on the "
+    "bytes and the cause; ok only if its chunk is in place, unread, when no get, cleanup or fault could have "
+    "taken it meanwhile), a cleanup's whether it removed an unread chunk (a segment of ours, or a frame on the "
     "ring of an edge it put on, being written or unread), cleanup_prefix's count of those, a wait's whether its "
     "wakeup generation moved; and the frames it reports unread on the rings are the ones there",
 )

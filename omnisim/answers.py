@@ -9,7 +9,10 @@ until a put places a new chunk of the key. A slip in an answer leaves the store 
 so no check of the store sees it. A put or a get that raises what its contract never raises
 (spec §2.1: a put answers, failed or not, and raises only for an invalid key; a get raises only
 that, or a corrupt chunk) is a wrong answer too: its caller turns any exception into a failed
-request, so a slip that crashes mid-put would otherwise pass for a storage failure.
+request, so a slip that crashes mid-put would otherwise pass for a storage failure. A put
+that answers ok has placed its chunk: when it answers, the chunk is in a segment of ours or
+committed on a ring of ours, unless a get or a cleanup of the key ran meanwhile, or the world
+made a fault (a slip that loses the chunk would otherwise show only as a reader that waits).
 Here every answer is compared with the truth, read with the harness's own code: for a cleanup,
 from the store at its ``shm.cleanup.begin`` point, the moment it decides (nothing else runs
 between that point and its removal, on the kernel's one thread): whether the key has a segment
@@ -19,6 +22,7 @@ answer that differs is noted (``connector.answer``), so a clean run's trace is w
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from typing import Any
 import trio
 
 from invariants.dataplane import ring_retired, ring_unread_keys
+from omnisim.sim_kernel import SimKernel
 from runtime.connectors.base import CorruptChunk, PutResult
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.ring import edge_name
@@ -73,6 +78,10 @@ class Answers:
         #: new chunk of the key: no get that begins meanwhile may hand one out.
         self._removed_keys: dict[str, int] = {}
         self._answers = 0
+        #: Per key: how often a put, a get or a cleanup of it began or ended, and those under
+        #: way. Between a put's start and its answer, only another of them may take its chunk away.
+        self._touches: Counter[str] = Counter()
+        self._under_way: Counter[str] = Counter()
 
     def watch(self, connector: ShmConnector) -> None:
         """Check every answer ``connector`` gives from now on."""
@@ -82,14 +91,19 @@ class Answers:
 
         async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
             sent_on.add(edge_name(from_stage, to_stage))
-            with _raising_only(f"the put of {put_key}"):  # (a put never raises: spec §2.1)
-                result = await put(from_stage, to_stage, put_key, data)
+            with self._touching(put_key):
+                seen = self._seen(put_key)
+                with _raising_only(f"the put of {put_key}"):  # (a put never raises: spec §2.1)
+                    result = await put(from_stage, to_stage, put_key, data)
+                alone = self._seen(put_key) == seen and self._under_way[put_key] == 1
             _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
+            if result.ok and alone:
+                _check(f"the put of {put_key}", "ok", self._placed(connector, put_key, result))
             return result
 
         async def answered_get(from_stage: str, to_stage: str, get_key: str, *args: Any, **kwargs: Any) -> Any:
             removed = self._removed_keys.get(get_key)
-            with _raising_only(f"the get of {get_key}", InvalidKeyError, CorruptChunk):
+            with self._touching(get_key), _raising_only(f"the get of {get_key}", InvalidKeyError, CorruptChunk):
                 got = await get(from_stage, to_stage, get_key, *args, **kwargs)
             if got is not None and removed is not None and self._removed_keys.get(get_key) == removed:
                 # A get already under way when the cleanup decided may still take the chunk
@@ -105,7 +119,8 @@ class Answers:
             task = trio.lowlevel.current_task()
             asked = self._cleaning[task] = _Cleanup(connector, key, sent_on)
             try:
-                removed = await cleanup(key)
+                with self._touching(key):
+                    removed = await cleanup(key)
             finally:
                 del self._cleaning[task]
             if asked.unread is not None:
@@ -142,6 +157,42 @@ class Answers:
         connector.cleanup_prefix = answered_cleanup_prefix  # type: ignore[method-assign]
         connector.wait_for_change = answered_wait_for_change  # type: ignore[method-assign]
 
+    @contextmanager
+    def _touching(self, key: str) -> Iterator[None]:
+        """A put, a get or a cleanup of ``key`` under way (counted as it begins and as it ends:
+        one begun before a put may take or replace the put's chunk and end before it answers)."""
+        self._touches[key] += 1
+        self._under_way[key] += 1
+        try:
+            yield
+        finally:
+            self._under_way[key] -= 1
+            self._touches[key] += 1
+
+    def _seen(self, key: str) -> tuple[int, int]:
+        """What may have taken ``key``'s chunk away so far: the puts, gets and cleanups of it,
+        and the faults the world made (a stray write that broke a ring, a name unlinked under
+        its owner)."""
+        k = current_kernel()
+        assert isinstance(k, SimKernel)
+        return self._touches[key], k.faults_noted
+
+    def _placed(self, connector: ShmConnector, key: str, result: PutResult) -> str:
+        """``ok`` if the chunk of a put that answered ``result`` (ok) is where it says, when nothing
+        could take it away before the answer: the segment its metadata names at the key's name,
+        or a committed frame of the key on a ring of ours that is not retired."""
+        store = self._raw(connector.store)
+        file = result.metadata["shm"].get("file")
+        if file is not None:
+            # (a look the world fails, as os_errors fails this process's calls, cannot tell)
+            put_segment = (file[0], file[1])
+            at_key = _segment_at(store, key, unreadable=put_segment)
+            return "ok" if at_key == put_segment else "not place its chunk: its segment is gone"
+        for _, view in self._rings(store):
+            if key in ring_unread_keys(view, written=True) and not ring_retired(view):
+                return "ok"
+        return "not place its chunk: no committed frame of it is on a ring of ours, and no get or cleanup took it"
+
     def at_put_created(self, attrs: dict[str, Any]) -> None:
         """A put places a new chunk of its key: a get may hand that one out."""
         self._removed_keys.pop(str(attrs["key"]), None)
@@ -177,12 +228,13 @@ class Answers:
         return removed or (asked.planted_segment and not store.segment_exists(asked.key))
 
 
-def _segment_at(store: Store, key: str) -> SegmentId | None:
-    """Which segment the name ``key`` holds now, if one (of ours)."""
+def _segment_at(store: Store, key: str, *, unreadable: SegmentId | None = None) -> SegmentId | None:
+    """Which segment the name ``key`` holds now, if one (of ours); ``unreadable`` if the store
+    fails the look."""
     try:
         segment = store.open_segment(key)
     except StoreError:
-        return None
+        return unreadable
     if segment is None:
         return None
     try:

@@ -313,6 +313,8 @@ class SimKernel:
         self.tasks: list[SimTask] = []
         self.current: SimTask | None = None
         self.trace: list[TraceEvent] = []
+        #: The trace's faults so far: the fault plan's and those a scenario made (``fault.<kind>``).
+        self.faults_noted = 0
         self.choices: list[int] = []
         self.crashes: list[tuple[str, str]] = []
         self._next_tid = 0
@@ -596,6 +598,8 @@ class SimKernel:
     def _emit(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
         event = TraceEvent(len(self.trace), self.clock_us, task.name, name, attrs)
         self.trace.append(event)
+        if name == "fault" or name.startswith("fault."):
+            self.faults_noted += 1
         if self._on_event is not None:
             self._on_event(event)
 

@@ -25,7 +25,8 @@ from omnisim.strategies.random import RandomStrategy
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.shm import ShmConnector
-from runtime.connectors.stores import ForeignName, MemoryStore, RingMemory, Segment
+from runtime.connectors.stores import ForeignName, MemoryStore, RingMemory, Segment, SegmentId
+from runtime.connectors.wire import EncodedFrame
 
 registry.load()
 logging.getLogger("runtime").setLevel(logging.CRITICAL)
@@ -164,6 +165,30 @@ def test_answers_note_a_put_or_get_that_raises_what_its_contract_never_raises() 
             "got": "raised IndexError: list index out of range",
             "want": "an answer",
         }
+    ]
+
+
+def test_answers_note_a_put_that_says_ok_yet_placed_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slip that loses a chunk after its put decided it went well would otherwise show only as
+    a reader that waits: the answer says so when nothing else could have taken the chunk."""
+    store = MemoryStore()
+    connector = ShmConnector(store, stage_id=1)
+    Answers(lambda s: s, lambda s, name: False, lambda s: iter(())).watch(connector)
+    write = ShmConnector._write_locked
+
+    async def loses_it(self: ShmConnector, key: str, frame: EncodedFrame) -> SegmentId:
+        identity = await write(self, key, frame)
+        store.unlink_segment(key)
+        return identity
+
+    async def main() -> None:
+        assert (await connector.put("1", "2", "R_1_0", {"x": torch.zeros(4)})).ok  # placed: not noted
+        monkeypatch.setattr(ShmConnector, "_write_locked", loses_it)
+        assert (await connector.put("1", "2", "R_1_1", {"x": torch.zeros(4)})).ok
+
+    out = SimKernel(RandomStrategy(0)).run(main)
+    assert [dict(e.attrs) for e in out.trace if e.name == "connector.answer"] == [
+        {"what": "the put of R_1_1", "got": "ok", "want": "not place its chunk: its segment is gone"}
     ]
 
 
