@@ -332,6 +332,24 @@ def test_a_websocket_session_returns_audio_and_word_timestamps_covering_it(serve
         ws.send(json.dumps({"type": "session.close"}))
 
 
+def test_a_websocket_flooded_while_speaking_is_told_and_closed(server: Running) -> None:
+    with connect(server.ws) as ws:
+        ws.send(json.dumps({"type": "input.text", "text": " ".join(["word"] * 20)}))
+        ws.send(json.dumps({"type": "input.done"}))
+        for _ in range(80):  # more than a session keeps while it speaks
+            ws.send(json.dumps({"type": "input.text", "text": "z"}))
+        ws.send(json.dumps({"type": "input.done"}))
+        events = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                message = ws.recv(timeout=30)
+                if isinstance(message, str):
+                    events.append(json.loads(message))
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+        assert [e["type"] for e in events][-2:] == ["session.done", "error"]
+        assert "the session is closed" in events[-1]["message"]
+
+
 def test_a_websocket_refuses_bad_messages_and_stays_open(server: Running) -> None:
     with connect(server.ws) as ws:
         for bad in ("not json", json.dumps({"type": "dance"}), json.dumps({"type": "session.config", "speed": 2})):
@@ -498,7 +516,46 @@ def test_a_refused_request_counts_as_refused_only(server: Running) -> None:
     before = _metric(server, accepted), _metric(server, refused)
     assert _speech(server, model="gpt-4o").status_code == 404
     assert _speech(server, stream=True, word_timestamps=True).status_code == 400
-    assert (_metric(server, accepted), _metric(server, refused)) == (before[0], before[1] + 2)
+    # A body refused before it is read as a request counts too.
+    speech = f"{server.url}/v1/audio/speech"
+    assert httpx.post(speech, content=b"{bad", headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(speech, content=b"x" * (2 << 20)).status_code == 413
+    assert (_metric(server, accepted), _metric(server, refused)) == (before[0], before[1] + 4)
+
+
+def test_json_that_only_python_reads_is_refused(server: Running) -> None:
+    for body in (b'{"input": "hi", "speed": NaN}', b'{"input": "hi", "speed": Infinity}'):
+        refused = httpx.post(f"{server.url}/v1/audio/speech", content=body)
+        assert refused.status_code == 400 and "not a JSON number" in refused.json()["error"]["message"]
+
+
+def test_an_error_names_the_field_as_the_client_wrote_it(server: Running) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (
+        ({"audio": {"format": 3}}, "audio.format"),
+        ({"stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+    ):
+        error = httpx.post(f"{server.url}/v1/chat/completions", json=chat | extra).json()["error"]
+        assert error["param"] == param and f"'{param}'" in error["message"]
+    error = _speech(server, input=None).json()["error"]
+    assert error["param"] == "input" and error["message"].endswith("not null")
+
+
+def test_a_batch_item_naming_another_model_fails_alone(server: Running) -> None:
+    items = [{"input": "one"}, {"input": "two", "model": "gpt-4o"}]
+    body = httpx.post(f"{server.url}/v1/audio/speech/batch", json={"items": items}, timeout=60).json()
+    assert [r["status"] for r in body["results"]] == ["success", "error"]
+    assert "gpt-4o" in body["results"][1]["error"] and (body["succeeded"], body["failed"]) == (1, 1)
+
+
+def test_audio_metrics_count_audio_requests_that_ended_well(server: Running) -> None:
+    counts = "vllm:omni_audio_underrun_s_count", "vllm:omni_audio_ttfp_s_count"
+    before = [_metric(server, c) for c in counts]
+    chat = {"messages": [{"role": "user", "content": TEXT}], "modalities": ["text"]}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    assert [_metric(server, c) for c in counts] == before  # (a text answer plays no audio)
+    assert _speech(server).status_code == 200
+    assert [_metric(server, c) for c in counts] == [b + 1 for b in before]
 
 
 def test_usage_counts_samples_streamed_or_not(server: Running) -> None:

@@ -41,12 +41,18 @@ class RequestRejected(ValueError):
     """A request the serving layer refuses, with guidance for the client."""
 
 
+def json_type(value: object) -> str:
+    """What a client sent, named as JSON names it (``null``, not ``NoneType``)."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
 def check_input_text(text: object) -> str:
     """A request's text must be a string with something to say, at most :data:`MAX_INPUT_CHARS`,
     and Unicode that UTF-8 can carry (JSON's ``"\\ud800"`` decodes to a lone surrogate, which
     no stage could tokenize or send)."""
     if not isinstance(text, str):
-        raise RequestRejected(f"the input text must be a string, not {type(text).__name__}")
+        raise RequestRejected(f"the input text must be a string, not {json_type(text)}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import torch
@@ -122,7 +122,7 @@ class Server:
     # -- chat completions ---------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        chat = self._accept("chat", parse_chat, await _json_body(request))
+        chat = await self._accept("chat", request, parse_chat)
         began = current_kernel().now()
         rid = _request_id("chatcmpl")
         outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
@@ -206,7 +206,7 @@ class Server:
     # -- speech -------------------------------------------------------------------------------
 
     async def speech(self, request: Request) -> Response:
-        speech = self._accept("speech", parse_speech, await _json_body(request), self._check_speech)
+        speech = await self._accept("speech", request, parse_speech, self._check_speech)
         rid = _request_id("speech")
         outputs = self._outputs(
             speech.text, ("audio",), stream=speech.stream, word_timestamps=speech.word_timestamps, rid=rid
@@ -236,7 +236,7 @@ class Server:
     async def speech_batch(self, request: Request) -> Response:
         """Every item spoken at once, as a whole speech request; 200 with each item's audio or
         error in the items' order (one that fails fails alone), unless the batch is refused."""
-        batch = self._accept("speech_batch", parse_speech_batch, await _json_body(request))
+        batch = await self._accept("speech_batch", request, parse_speech_batch)
         results: list[dict[str, Any]] = [{} for _ in batch.items]
 
         async def speak(i: int, item: BatchItem) -> None:
@@ -259,6 +259,10 @@ class Server:
         if item.speech is None:
             return {"status": "error", "error": item.error}
         speech = item.speech
+        try:
+            self._check_model(speech.model)
+        except ApiError as e:
+            return {"status": "error", "error": str(e)}
         outputs = self._outputs(speech.text, ("audio",), stream=False, word_timestamps=False, rid=_request_id("speech"))
         audio, _, error = await _spoken(speech, outputs)
         if error is not None:
@@ -315,11 +319,18 @@ class Server:
                     elif kind == "session.close":
                         await ws.close()
                         return
-                    elif message is _DROPPED:
-                        raise ApiError(
-                            f"messages sent while an utterance was spoken were dropped: more than {MAX_QUEUED} "
-                            f"messages or {MAX_QUEUED_CHARS} characters of text waited"
+                    elif message is _OVERFLOWED:
+                        # What the client meant after the dropped messages (an input.done, a
+                        # close) is lost with them: the session ends here rather than wait for it.
+                        await ws.send_json(
+                            {
+                                "type": "error",
+                                "message": f"the session is closed: more than {MAX_QUEUED} messages or "
+                                f"{MAX_QUEUED_CHARS} characters of text were sent while an utterance was spoken",
+                            }
                         )
+                        await ws.close(code=1008)
+                        return
                     else:
                         raise ApiError(f"unknown message type {kind!r}", param="type")
                 except ApiError as e:
@@ -364,10 +375,12 @@ class Server:
             async def watch_for_the_end() -> None:
                 nonlocal gone
                 while (message := await _next_message(ws)) is not None:
+                    if inbox and inbox[-1] is _OVERFLOWED:
+                        continue  # (the session ends once the utterance was spoken)
                     if len(inbox) < MAX_QUEUED and _queued_chars(inbox) + _queued_chars([message]) <= MAX_QUEUED_CHARS:
                         inbox.append(message)
-                    elif not inbox or inbox[-1] is not _DROPPED:
-                        inbox.append(_DROPPED)  # (said once the utterance ended, in order)
+                    else:
+                        inbox.append(_OVERFLOWED)  # (said once the utterance ended, in order)
                 gone = True
                 watch.cancel_scope.cancel()
 
@@ -413,10 +426,11 @@ class Server:
 
     # -- shared -------------------------------------------------------------------------------
 
-    def _accept(self, endpoint: str, parse: Any, body: object, check: Any = None) -> Any:
-        """The parsed request, counted as accepted once every check passed, else as rejected."""
+    async def _accept(self, endpoint: str, request: Request, parse: Any, check: Any = None) -> Any:
+        """The request's body parsed, counted as accepted once every check passed, else (a body
+        too large or not JSON included) as rejected."""
         try:
-            parsed = parse(body)
+            parsed = parse(await _json_body(request))
             self._check_model(parsed.model)
             if check is not None:
                 check(parsed)
@@ -452,6 +466,7 @@ class Server:
         k = current_kernel()
         playback = Playback(k.now())
         ended = False
+        error: str | None = None
         try:
             try:
                 async with aclosing(
@@ -463,19 +478,22 @@ class Server:
                         if out.kind is OutputType.AUDIO and out.data is not None:
                             playback.packet(k.now(), out.data.numel() / SAMPLE_RATE)
                         if out.finished:
-                            ended = out.error != ABORTED
+                            ended, error = True, out.error
                         yield out
             except Exception as e:
                 # A bug of ours: this client gets an error terminal, as for any failed request,
                 # and the server goes on (in a stream, after its headers, nothing else can say it).
                 log.exception("request %s failed inside the server", rid)
                 kind = OutputType.AUDIO if "audio" in modalities else OutputType.TEXT
-                yield ClientOutput(kind, None, finished=True, error=f"internal error: {type(e).__name__}")
+                ended, error = True, f"internal error: {type(e).__name__}"
+                yield ClientOutput(kind, None, finished=True, error=error)
         finally:
-            if ended:
-                self.metrics.finished(playback, k.now())
-            else:
+            if not ended or error == ABORTED:
                 self.metrics.aborts.inc()
+            elif error is not None:
+                self.metrics.failed.inc()
+            elif "audio" in modalities:
+                self.metrics.finished(playback, k.now())
 
 
 async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[dict[str, Any]]:
@@ -597,11 +615,11 @@ def _sse(events: AsyncIterator[dict[str, Any]], *, named: bool = False) -> Respo
 
 #: What a speech session keeps of what its client sends while an utterance is spoken: the
 #: messages, and the text they hold (a client that sends faster than it is answered cannot make
-#: the server hold more); the rest is dropped, and the client told.
+#: the server hold more). A client that sends more is told, and its session closed (1008).
 MAX_QUEUED = 64
 MAX_QUEUED_CHARS = 2 * serving.MAX_INPUT_CHARS
-#: Stands in the inbox for the messages that were dropped.
-_DROPPED: dict[str, Any] = {"type": None}
+#: Stands in the inbox for the first message over those limits.
+_OVERFLOWED: dict[str, Any] = {"type": None}
 
 
 def _queued_chars(messages: Iterable[dict[str, Any]]) -> int:
@@ -616,12 +634,22 @@ async def _next_message(ws: WebSocket) -> dict[str, Any] | None:
         if message["type"] == "websocket.disconnect":
             return None
         try:
-            parsed = json.loads(message["text"]) if message.get("text") is not None else None
+            parsed = _strict_json(message["text"]) if message.get("text") is not None else None
         except (ValueError, RecursionError):  # (not JSON; or an integer too long, or nesting too deep)
             parsed = None
         if isinstance(parsed, dict):
             return parsed
         await ws.send_json({"type": "error", "message": "every client message must be a JSON object"})
+
+
+def _strict_json(text: str | bytes) -> object:
+    """``text`` parsed as JSON, refusing ``NaN`` and ``Infinity`` (Python's extensions, which
+    no JSON client sends and no number check should meet) with a ValueError."""
+
+    def refuse(constant: str) -> NoReturn:
+        raise ValueError(f"{constant} is not a JSON number")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 async def _json_body(request: Request) -> object:
@@ -631,7 +659,7 @@ async def _json_body(request: Request) -> object:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
     try:
-        return json.loads(body)
+        return _strict_json(body)
     except (ValueError, RecursionError) as e:  # (not JSON or UTF-8; an integer too long, nesting too deep)
         raise ApiError(f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
 

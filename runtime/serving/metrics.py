@@ -67,6 +67,7 @@ class ServingMetrics:
         self.requests = Counter("omnisim_requests", "Requests accepted, by endpoint", ["endpoint"], registry=r)
         self.rejected = Counter("omnisim_requests_rejected", "Requests refused with a 4xx", ["endpoint"], registry=r)
         self.aborts = Counter("omnisim_aborts", "Requests whose client went away before the end", registry=r)
+        self.failed = Counter("omnisim_requests_failed", "Requests that ended with an error", registry=r)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
         self.ttfp = Histogram("vllm:omni_audio_ttfp_s", "Time to first audio packet", registry=r, buckets=buckets)
         self.rtf = Histogram(

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.serving import RequestRejected, check_input_text
+from runtime.serving import RequestRejected, check_input_text, json_type
 from runtime.serving.audio import COMPRESSED
 
 log = logging.getLogger(__name__)
@@ -121,24 +121,22 @@ class SpeechRequest:
 
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise ApiError(f"the request body must be a JSON object, not {_type(body)}")
+        raise ApiError(f"the request body must be a JSON object, not {json_type(body)}")
     return body
 
 
-def _type(value: object) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-
-
-def _field(body: Mapping[str, Any], name: str, check: Callable[[Any], bool], want: str, default: Any) -> Any:
+def _field(
+    body: Mapping[str, Any], name: str, check: Callable[[Any], bool], want: str, default: Any, *, within: str = ""
+) -> Any:
     """An optional field: ``default`` when it is absent or null (OpenAI's schemas make every
-    optional field nullable, and its clients send null for "not set")."""
+    optional field nullable, and its clients send null for "not set"). ``within``: the object
+    ``body`` is a field of, which an error's ``param`` names first (``audio.format``)."""
     value = body.get(name)
     if value is None:
         return default
     if not check(value):
-        raise ApiError(f"'{name}' must be {want}, got {_type(value)}", param=name)
+        path = f"{within}.{name}" if within else name
+        raise ApiError(f"'{path}' must be {want}, got {json_type(value)}", param=path)
     return value
 
 
@@ -232,7 +230,7 @@ def parse_chat(raw: object) -> ChatRequest:
         raise ApiError(f"'modalities' must be some of ['text', 'audio'], got {modalities!r}", param="modalities")
     audio = _field(body, "audio", _is_object, "an object", {})
     _ignore_unknown(audio, frozenset({"format", "voice"}), "a chat completion's audio")
-    audio_format = _field(audio, "format", _is_str, "a string", "wav")
+    audio_format = _field(audio, "format", _is_str, "a string", "wav", within="audio")
     if audio_format not in CHAT_AUDIO_FORMATS:
         raise ApiError(f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}", param="audio.format")
     if _field(body, "n", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", 1) != 1:
@@ -244,7 +242,7 @@ def parse_chat(raw: object) -> ChatRequest:
         audio_format=audio_format,
         stream=_field(body, "stream", _is_bool, "a boolean", False),
         # (OpenAI's and upstream's default: a stream has no usage-only chunk unless asked)
-        include_usage=_field(options, "include_usage", _is_bool, "a boolean", False),
+        include_usage=_field(options, "include_usage", _is_bool, "a boolean", False, within="stream_options"),
         model=_field(body, "model", _is_str, "a string", None),
     )
 
