@@ -374,6 +374,18 @@ def _page_costs(nbytes: int) -> dict[str, float]:
         with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE) as anon:
             os.preadv(kept.fd, [anon], 0)
 
+    def mapped() -> np.ndarray:
+        """A mapping of the spare that lives across chunks (made on first use, its pages then
+        mapped in this process): what a connector that kept its mappings would copy through."""
+        if not kept_map:
+            kept_map.append(mmap.mmap(kept.fd, nbytes))
+        return np.frombuffer(kept_map[0], np.uint8)
+
+    def from_mapping(out: np.ndarray) -> None:
+        np.copyto(out, mapped())
+
+    kept_map: list[mmap.mmap] = []
+    source = np.frombuffer(data, np.uint8)
     ways: dict[str, Callable[[], object]] = {
         "put: fresh segment (reserve + pwrite)": fresh_segment,
         "put: fresh segment, MAP_POPULATE + copy": lambda: fresh_segment(populate=True),
@@ -384,7 +396,13 @@ def _page_costs(nbytes: int) -> dict[str, float]:
         "get: into MAP_POPULATE'd memory": populated_destination,
         "get: into huge-page memory (MADV_HUGEPAGE)": lambda: os.preadv(kept.fd, [wire.huge_page_memory(nbytes)], 0),
         "get: into warm memory (preadv only)": lambda: os.preadv(kept.fd, [warm], 0),
-        "memcpy": lambda: np.copyto(warm, np.frombuffer(data, np.uint8)),
+        "put: a spare's kept mapping (memcpy)": lambda: np.copyto(mapped(), source),
+        "get: a kept mapping into a fresh tensor": lambda: from_mapping(torch.empty(nbytes, dtype=torch.uint8).numpy()),
+        "get: a kept mapping into huge-page memory": lambda: from_mapping(
+            np.frombuffer(wire.huge_page_memory(nbytes), np.uint8)
+        ),
+        "get: a kept mapping into warm memory": lambda: from_mapping(warm),
+        "memcpy": lambda: np.copyto(warm, source),
     }
     times: dict[str, list[float]] = {way: [] for way in ways}
     try:
@@ -396,6 +414,8 @@ def _page_costs(nbytes: int) -> dict[str, float]:
                 fn()
                 times[way].append(time.perf_counter() - start)
     finally:
+        for mapping in kept_map:
+            mapping.close()
         os.close(kept.fd)
         posix_ipc.unlink_shared_memory(name)
     return {way: round(statistics.median(t) * 1e3, 3) for way, t in times.items()}
