@@ -183,7 +183,8 @@ def _add_run_options(sp: argparse.ArgumentParser, *, store_default: str | None =
 
 
 def _add_jobs(sp: argparse.ArgumentParser, *, ray: bool = False) -> None:
-    sp.add_argument(
+    where = sp.add_mutually_exclusive_group()  # (processes here, or a Ray cluster's: not both)
+    where.add_argument(
         "--jobs",
         type=positive_int,
         default=1,
@@ -199,7 +200,7 @@ def _add_jobs(sp: argparse.ArgumentParser, *, ray: bool = False) -> None:
         "the N shards together run exactly what one run without --shard does",
     )
     if ray:
-        sp.add_argument(
+        where.add_argument(
             "--ray",
             metavar="ADDRESS",
             help="run the explorations as tasks on a Ray cluster (`local`: start one on this machine; or an "
@@ -755,6 +756,8 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
                 line += f", {shrunk['clients_before']} → {shrunk['clients']} requests"
             lines.append(line)
         lines.extend(_violations_text(v["violations"][:5]))
+        if len(v["violations"]) > 5:
+            lines.append(f"  … and {len(v['violations']) - 5} more (all in the artifact, and with --json)")
     if not s["violations"]:
         lines.append("  no violation")
     if s.get("exhausted"):
@@ -1316,7 +1319,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     human += [f"kept {ns}: no owner record, and younger than a minute" for ns in report.young_orphans]
     human += [f"left alone {name}: not ours" for name in report.foreign]
     human += [f"could not remove {error}" for error in report.errors]
-    human.append(f"{len(report.removed)} name(s) {verb}")
+    human.append(f"{len(report.removed)} name(s) {'to remove' if args.dry_run else 'removed'}")
     _emit(args, human, report.as_dict() | {"dry_run": args.dry_run})
     return EXIT_OK
 

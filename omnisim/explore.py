@@ -96,7 +96,7 @@ def make_strategy(
     name: str, seed: int, scn: Scenario, constraints: list[str] | None = None, *, decisions_hint: int | None = None
 ) -> Strategy:
     """The strategy ``name`` for one run. ``decisions_hint``: how many choices a run of this
-    scenario made before (pct draws its change points among that many)."""
+    scenario makes (pct draws its change points among that many; see :func:`pct_steps`)."""
     if name in ("random", "pct", "hypothesis", "dfs") and constraints:
         raise UsageError("an ordering (--order) needs the ordered strategy (--strategy ordered)")
     if name == "random":
@@ -213,6 +213,14 @@ async def run_once_async(
     )
 
 
+async def pct_steps(scn: Scenario, store: str, mutant: str | None, params: Params | None) -> int | None:
+    """How many choices a run of ``scn`` makes, for pct to draw its change points among: those of
+    its first seed's random schedule. Measured the same way by every run and exploration, so a
+    pct find's seed is all that ``run --seed`` needs to repeat it."""
+    probe = await run_once_async(scn, store, RandomStrategy(0), 0, mutant, params)
+    return len(probe.choices) or None
+
+
 def _misuse_in(error: BaseException) -> Misuse | None:
     """The :class:`Misuse` that stopped a run, alone or inside trio's exception groups."""
     if isinstance(error, Misuse):
@@ -236,10 +244,11 @@ def run(
     scn = get_scenario(scenario).with_faults(faults or [])
     m = get_mutant(mutant)
     with applied(m):
+        steps = trio.run(pct_steps, scn, store, mutant, params) if strategy == "pct" else None
         return run_once(
             scn,
             store=store,
-            strategy=make_strategy(strategy, seed, scn, constraints),
+            strategy=make_strategy(strategy, seed, scn, constraints, decisions_hint=steps),
             seed=seed,
             mutant=mutant,
             params=params,
@@ -458,12 +467,12 @@ def _explore_schedules(
 
     search = DfsSearch(bound) if strategy == "dfs" else None
 
-    def next_schedule(i: int, decisions: int | None) -> tuple[int, Callable[[], Strategy]] | None:
+    def next_schedule(i: int, steps: int | None) -> tuple[int, Callable[[], Strategy]] | None:
         """Schedule ``i``'s seed and a maker of its strategy (a second run needs a fresh one);
         None once a search has run every schedule it can."""
         if search is None:
             run_seed = seed + i
-            return run_seed, lambda: make_strategy(strategy, run_seed, scn, constraints, decisions_hint=decisions)
+            return run_seed, lambda: make_strategy(strategy, run_seed, scn, constraints, decisions_hint=steps)
         execution = search.next_execution()
         if execution is None:
             return None
@@ -472,11 +481,11 @@ def _explore_schedules(
 
     async def loop() -> None:
         # One trio loop for all schedules: trio's start-up would otherwise cost ~0.4 ms each.
-        decisions: int | None = None
+        steps = await pct_steps(scn, store, mutant, params) if strategy == "pct" else None
         for i in range(budget):
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return
-            planned = next_schedule(i, decisions)
+            planned = next_schedule(i, steps)
             if planned is None:
                 result.exhausted = True
                 return
@@ -492,7 +501,6 @@ def _explore_schedules(
                     res.violations.append(Violation("deterministic", f"two runs of seed {run_seed} part at {parted}"))
             if stop_requested:
                 raise KeyboardInterrupt  # the run was cut short: it is neither counted nor checked
-            decisions = len(res.choices) or decisions
             result.schedules += 1
             result.traces.add(res.trace_digest)
             result.seconds = time.perf_counter() - start
@@ -515,6 +523,8 @@ def _explore_schedules(
                 result.violations.append(entry)
             if on_schedule is not None:
                 on_schedule(result)
+            if stop_requested:
+                raise KeyboardInterrupt  # (during the shrink: the find is kept, as shrunk so far)
             if found and stop_on_violation:
                 return
         if search is not None and search.next_execution() is None:
@@ -700,8 +710,11 @@ def load_artifact(path: str) -> dict[str, Any]:
     for name, kind in _ARTIFACT_FIELDS.items():
         if not isinstance(artifact.get(name), kind) or isinstance(artifact.get(name), bool):
             raise UsageError(f"artifact {path!r} has no valid {name!r} field")
-    if not all(isinstance(c, int) for c in artifact["choices"]):
-        raise UsageError(f"artifact {path!r}: 'choices' must be a list of task ids")
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in artifact["choices"]):
+        raise UsageError(f"artifact {path!r}: 'choices' must be a list of task ids (whole numbers from 0)")
+    faults = artifact.get("faults", [])
+    if not (isinstance(faults, list) and all(isinstance(spec, str) for spec in faults)):
+        raise UsageError(f"artifact {path!r}: 'faults' must be a list of fault specs like put_fail@key=R_0_3")
     if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in artifact["events"]):
         raise UsageError(f"artifact {path!r}: 'events' must be a list of [task, event] pairs")
     params = artifact.get("params")

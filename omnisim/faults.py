@@ -44,6 +44,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from omnisim.points import check_attributes
 from runtime.connectors.stores import ForeignName, StoreError, StoreFull
 from runtime.connectors.wire import WireDecodeError
 from runtime.kernel import Attr
@@ -194,7 +195,11 @@ def parse_fault(spec: str) -> Fault:
         match[name] = value
     if nth and (not nth.isdigit() or int(nth) < 1):
         raise UnknownFaultError(f"fault {spec!r}: expected a hit number from 1 after '#', got {nth!r}")
-    return Fault(kind, match=match, nth=int(nth) if nth else 1, added=True)
+    fault = Fault(kind, match=match, nth=int(nth) if nth else 1, added=True)
+    never = check_attributes(fault.point, match)
+    if never is not None:
+        raise UnknownFaultError(f"fault {spec!r} would never fire: {never}")
+    return fault
 
 
 def faults_of_specs(specs: Sequence[str], seed: int, hit_probability: float = 0.2) -> list[Fault]:

@@ -7,6 +7,9 @@ held back, so the later element of an order should be a point.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 POINTS: dict[str, tuple[str, str]] = {
     # name: (kind, meaning)
     "shm.put.begin": ("point", "a put starts (before the bounded reap and the encode) [key]"),
@@ -136,6 +139,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "shm.planted": ("note", "what became of a name a scenario planted in /dev/shm, and what must [what, got, want]"),
     "serving.timestamps_over_http": ("note", "an HTTP streaming request with word timestamps was judged [accepted]"),
     "client.timestamps": ("note", "where a client's last word ends, and how long its audio is [req, end_ms, audio_ms]"),
+    "client.left": ("note", "a client stopped listening before its request ended (generate() closed) [req]"),
     "world.owner_died": ("note", "the owner of a namespace is dead (its process was killed) [ns]"),
     "scenario.shutdown.wait": ("point", "a scenario lets the engine run before it shuts it down in flight"),
     "kernel.block": ("note", "a task blocked on a held lock [on]"),
@@ -149,3 +153,25 @@ POINTS: dict[str, tuple[str, str]] = {
     "fault.os": ("note", "a system call of the store failed as the os_errors scenario made it [at, errno]"),
     "fault.store": ("note", "the store refused a call as the failed_cleanup scenario made it [at, key]"),
 }
+
+
+def attributes(name: str) -> frozenset[str] | None:
+    """The attributes the event ``name`` carries, as its meaning lists them in brackets
+    (``[key, via: ring or segment]``); None for an event this vocabulary does not know."""
+    entry = POINTS.get(name)
+    if entry is None:
+        return None
+    listed = re.search(r"\[([^\]]*)\]\s*$", entry[1])
+    parts = re.split(r"[,;]", listed.group(1)) if listed else []
+    return frozenset(m.group(1) for part in parts if (m := re.match(r"\s*(\w+)", part)))
+
+
+def check_attributes(name: str, used: Iterable[str]) -> str | None:
+    """Why matching the event ``name`` on the attributes ``used`` can never succeed (one it
+    never carries: a misspelling), or None."""
+    known = attributes(name)
+    unknown = sorted(set(used) - known) if known is not None else []
+    if not unknown:
+        return None
+    carries = f"it carries {', '.join(sorted(known))}" if known else "it carries none"
+    return f"{name} has no attribute {', '.join(map(repr, unknown))}: {carries}"

@@ -221,7 +221,8 @@ class _Shrinker:
         self.runs = 0
 
     def spent(self) -> bool:
-        return self.runs >= self._max_runs or time.perf_counter() > self._deadline
+        """Out of runs or time, or stopped (Ctrl-C): the shrink ends with the best so far."""
+        return bool(stop_requested) or self.runs >= self._max_runs or time.perf_counter() > self._deadline
 
     async def failing(
         self, strategy: DfsStrategy, faults: list[Fault] | None, left_out: frozenset[str]
@@ -229,9 +230,9 @@ class _Shrinker:
         """The run of ``strategy`` with ``faults``, leaving out ``left_out``, if it still fails."""
         res = await self._run(strategy, faults, left_out)
         if stop_requested:
-            # The run was cut short, and fails for that alone: the shrink ends with it (the
-            # explore is stopped; nothing is saved of a world that was not run to its end).
-            raise KeyboardInterrupt
+            # The run was cut short, and fails for that alone: it proves nothing, and the shrink
+            # ends with the best run so far, which did run to its end.
+            return None
         self.runs += 1
         return res if self._still_fails(res) else None
 

@@ -793,6 +793,37 @@ def test_a_malformed_fault_is_a_usage_error(capsys: pytest.CaptureFixture[str], 
     assert code == 2 and "fault" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--fault", "put_fail@kye=R_1_0"],  # (its point carries key)
+        ["--strategy", "ordered", "--order", "shm.put.begin[kye=R_1_0] < shm.put.end"],
+    ],
+)
+def test_a_misspelt_attribute_is_a_usage_error(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    """A fault or an ordering that names an attribute its event never carries could never fire or
+    match: the run would quietly test nothing."""
+    code, _, err = omnisim(capsys, "run", "abort_during_put", *args)
+    assert code == 2 and "has no attribute 'kye': it carries key" in err
+
+
+def test_processes_and_a_ray_cluster_are_not_both_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = omnisim(capsys, "explore", "abort_during_put", "--jobs", "2", "--ray", "local")
+    assert code == 2 and "not allowed with" in err
+
+
+@pytest.mark.parametrize(("field", "value"), [("faults", [123]), ("choices", [-1, 0])])
+def test_an_artifact_edited_out_of_shape_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, field: str, value: object
+) -> None:
+    code, out, err = omnisim(capsys, "explore", "abort_during_put", "--mutant", "cleanup_on_scheduler_thread")
+    found = Path(next(iter(re.findall(r"artifact (\S+\.json)", out))))
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(json.loads(found.read_text()) | {field: value}))
+    code, _, err = omnisim(capsys, "replay", str(edited))
+    assert code == 2 and f"'{field}' must be" in err
+
+
 def test_dfs_says_when_its_bounded_space_is_exhausted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = ["explore", "abort_during_put", "--strategy", "dfs", "--delays", "1", "--budget", "1000"]
     code, out, err = omnisim(capsys, *args, "--out", str(tmp_path))

@@ -56,6 +56,14 @@ def test_the_page_shows_the_violation_with_its_timeline(artifact: Path, tmp_path
     assert "<script" not in text and "http" not in text.replace("ui.perfetto.dev", "")  # self-contained
 
 
+def test_a_folder_of_finds_shows_each_find(artifact: Path, tmp_path: Path) -> None:
+    """The folder explore --out saved its finds in is a source too (its other files left out)."""
+    (artifact.parent / "notes.json").write_text("{}")
+    page = tmp_path / "index.html"
+    assert main(["report", str(artifact.parent), "-o", str(page)]) == 0
+    assert page.read_text().count('alt="timeline of') == 1
+
+
 def test_the_page_names_the_requests_a_shrink_left_out(artifact: Path, tmp_path: Path) -> None:
     """A reader of the page must know the run's world: the requests the shrinker left out."""
     shrunk = tmp_path / artifact.name

@@ -10,11 +10,11 @@ import pytest
 import trio
 
 from omnisim import registry
-from omnisim.base import UsageError
-from omnisim.explore import RunResult, explore, replay, run, run_once, run_once_async
+from omnisim.base import UsageError, stop_requested
+from omnisim.explore import Interrupted, RunResult, explore, replay, run, run_once, run_once_async
 from omnisim.faults import Fault
 from omnisim.registry import applied, get_mutant, get_scenario
-from omnisim.shrink import _fewer, _smaller, deviations, fired_faults, shrink
+from omnisim.shrink import _fewer, _Shrinker, _smaller, deviations, fired_faults, shrink
 from omnisim.strategies.dfs import DfsStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
@@ -51,6 +51,38 @@ def test_shrinking_is_deterministic(tmp_path: Path) -> None:
     second = _find(tmp_path / "b", "random")
     assert first["shrunk"] == second["shrunk"]
     assert Path(first["artifact"]).read_text() == Path(second["artifact"]).read_text()
+
+
+def test_a_stop_during_the_shrink_keeps_the_find_as_shrunk_so_far(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a find is shrunk: the find was checked in full, so it is reported and saved
+    (the best run the shrink reached), and the exploration reports the stop."""
+    failing = _Shrinker.failing
+    runs = []
+
+    async def stopped_after_three(self: _Shrinker, *args: object) -> RunResult | None:
+        runs.append(1)
+        if len(runs) == 3:
+            stop_requested.append("SIGINT")
+        return await failing(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_Shrinker, "failing", stopped_after_three)
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            explore("abort_during_put", mutant="cleanup_on_scheduler_thread", budget=300, out_dir=str(tmp_path))
+    finally:
+        stop_requested.clear()
+    (entry,) = stopped.value.partial.violations
+    assert entry["shrunk"]["runs"] == 2  # (the third was cut short: it proves nothing)
+    assert replay(entry["artifact"]).reproduced
+
+
+def test_a_pct_find_is_repeated_by_its_seed(tmp_path: Path) -> None:
+    entry = _find(tmp_path, "pct", shrink_finds=False, seed=5)
+    found = json.loads(Path(entry["artifact"]).read_text())
+    again = run("abort_during_put", seed=entry["seed"], strategy="pct", mutant="cleanup_on_scheduler_thread")
+    assert again.trace_digest == found["trace_digest"] and again.violations
 
 
 def test_no_shrink_saves_the_find_as_found(tmp_path: Path) -> None:

@@ -157,6 +157,18 @@ def _violation_section(artifact_path: str) -> str:
     )
 
 
+def _artifacts_in(folder: Path) -> list[str]:
+    """The artifacts in ``folder``, by name (its other JSON files left out)."""
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            load_artifact(str(path))
+        except UsageError:
+            continue
+        found.append(str(path))
+    return found
+
+
 def write_page(sources: list[str], out_path: str) -> str:
     """Write the page for report folders and artifact files in ``sources``; returns its path."""
     parts: list[str] = []
@@ -174,13 +186,15 @@ def write_page(sources: list[str], out_path: str) -> str:
             mutation = _read(path, "mutation.json")
             if mutation is not None:
                 parts.append(_mutation_section(mutation))
+            if check is None and mutants is None and mutation is None:
+                artifacts += _artifacts_in(path)  # (a folder explore --out saved finds in)
         else:
             artifacts.append(source)
     shown = [a for a in dict.fromkeys(artifacts) if os.path.exists(a)][:MAX_TIMELINES]
     if shown:  # what failed comes first
         parts.insert(0, "<h2>Violations</h2>" + "".join(_violation_section(a) for a in shown))
     if not parts:
-        parts.append("<p>Nothing to show: no check.json, mutants.json, mutation.json or artifact was given.</p>")
+        parts.append("<p>Nothing to show: no check.json, mutants.json, mutation.json or artifact given or found.</p>")
     page = (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>omnisim report</title>'
         f"<style>{_STYLE}</style></head><body><h1>omnisim report</h1>"

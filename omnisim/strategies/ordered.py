@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from invariants.observed import TraceEvent
 from omnisim.base import UsageError
+from omnisim.points import check_attributes
 from omnisim.strategies.random import RandomStrategy
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ def parse_pattern(text: str) -> EventPattern:
         if not sep or not key.strip():
             raise ConstraintError(f"bad attribute {part!r} in {text!r}; expected attr=value")
         attrs.append((key.strip(), value.strip()))
+    never = check_attributes(m.group(1), (key for key, _ in attrs))
+    if never is not None:
+        raise ConstraintError(f"{text.strip()!r} can never match: {never}")
     return EventPattern(m.group(1), tuple(attrs))
 
 
