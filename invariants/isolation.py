@@ -45,13 +45,14 @@ def fault_isolation(world: ObservedWorld) -> list[str]:
 
 @invariant(
     "abort-stops-work",
-    "once a request failed or was aborted, each stage sends at most one more chunk of it (the step in flight)",
+    "once a request failed or was aborted, or its client stopped listening, each stage sends at most one more "
+    "chunk of it (the step in flight)",
 )
 def abort_stops_work(world: ObservedWorld) -> list[str]:
     out = []
     stopped: dict[str, dict[str, int]] = {}  # ext -> stage request -> chunks queued since
     for ev in world.trace:
-        if ev.name in ("orch.fail", "orch.abort.begin"):
+        if ev.name in ("orch.fail", "orch.abort.begin", "client.left"):
             stopped.setdefault(str(ev.attrs["req"]), {})
         elif ev.name == "orch.accepted":
             stopped.pop(str(ev.attrs["req"]), None)  # a new generation of the id

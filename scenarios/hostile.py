@@ -26,7 +26,8 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -37,6 +38,7 @@ from PIL import Image
 from omnisim.faults import InjectedCrash
 from omnisim.registry import DEFAULT_INVARIANTS, Patch, mutant
 from omnisim.world import World
+from runtime.client import ClientOutput, generate
 from runtime.connectors import keys
 from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk
@@ -522,6 +524,21 @@ BAD_REQUEST_IDS: tuple[object, ...] = ("", "..", "a/b", "a b", "r" * (MAX_REQUES
 BAD_TEXTS: tuple[object, ...] = ("", " \n\t", 5, "a" * (MAX_INPUT_CHARS + 1))
 #: The longest request id, made of every allowed character.
 LONGEST_REQUEST_ID = (ALPHABET * MAX_REQUEST_ID_LENGTH)[:MAX_REQUEST_ID_LENGTH]
+#: What a client may not ask of ``generate`` (a request no engine could answer as asked):
+#: refused before anything is submitted.
+BAD_ASKS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("no modality", {"modalities": ()}),
+    ("a modality no stage makes", {"modalities": ("text", "video")}),
+    ("audio at 0 Hz", {"sample_rate": 0}),
+    ("audio at -16000 Hz", {"sample_rate": -16000}),
+    ("word timestamps without audio", {"modalities": ("text",), "word_timestamps": True}),
+)
+
+
+async def first_output(answer: AsyncGenerator[ClientOutput, None]) -> ClientOutput:
+    """The first item of a ``generate`` stream; the stream is closed after it."""
+    async with aclosing(answer):
+        return await anext(answer)
 
 
 @pipeline_scenario(
@@ -544,6 +561,9 @@ async def hostile_request_ids(world: World) -> None:
             got,
             "RequestRejected",
         )
+    for what, asked in BAD_ASKS:
+        got, _ = await outcome(lambda asked=asked: first_output(generate(engine, SHORT, **asked)))  # type: ignore[misc]
+        note_case(f"a generate() call asking for {what}", got, "ValueError")
     longest = Client(world, "longest", SHORT, LONGEST_REQUEST_ID, modalities=("text",))
     await longest.run()
     note_case("the longest request id", longest.stream.outcome, "finished")

@@ -21,7 +21,7 @@ import torch
 
 from invariants.observed import Stream
 from omnisim.faults import Fault, FaultPlan
-from omnisim.registry import Param, Params, ScenarioBody, scenario
+from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
@@ -195,6 +195,8 @@ def pipeline_scenario(
 
             await together(("clients", clients), ("orch.shutdown", lambda: shutdown_in_flight(world, clients_done)))
 
+        # An engine that aborts stops the work: a client gone, a request failed or aborted.
+        kwargs["invariants"] = (*kwargs.get("invariants", DEFAULT_INVARIANTS), "abort-stops-work")
         scenario(name, build=build, horizon_s=60.0, budget_share=0.5, params=params, **kwargs)(run)
         return body
 
@@ -243,6 +245,8 @@ class Client:
     sample_rate: int = SAMPLE_RATE
     #: Stop listening after this many outputs (a disconnect: ``generate`` is closed early).
     leave_after: int | None = None
+    #: False: the whole answer at once, one output per kind (a non-streamed chat or speech request).
+    streamed: bool = True
     outputs: list[ClientOutput] = field(default_factory=list)
     stream: Stream = field(init=False)
 
@@ -279,6 +283,7 @@ class Client:
             word_timestamps=self.word_timestamps,
             request_id=self.request_id,
             sample_rate=self.sample_rate,
+            stream=self.streamed,
         )
         async with aclosing(answer):
             async for out in answer:
@@ -291,6 +296,8 @@ class Client:
                     self.stream.outcome = self.outcome_of(out.error)
                 elif len(self.outputs) == self.leave_after:
                     self.stream.outcome = "left"
+                    # What abort-stops-work holds the engine to: a client gone is an abort.
+                    current_kernel().note("client.left", req=self.request_id)
                     return
         self.check()
 
@@ -319,6 +326,13 @@ class Client:
         )
         if self.stream.outcome != "finished":
             return
+        if not self.streamed:
+            kinds = [o.kind.value for o in self.outputs if not o.finished]
+            probe(
+                "samples-exactly-once",
+                len(kinds) == len(set(kinds)),
+                f"{self.name}: a whole answer came as {', '.join(kinds)}, not one output per kind",
+            )
         want_text, want_audio = offline_answer(self.text)
         if "text" in self.modalities:
             text = "".join(o.data for o in self.outputs if o.kind is OutputType.TEXT and o.data is not None)
@@ -402,6 +416,21 @@ async def pipeline_word_timestamps(world: World) -> None:
     # Resampled for the client: the trim counts model samples, so it must come first.
     resampled = Client(world, "timed.16k", REMAINDER, "timed16k", word_timestamps=True, sample_rate=16000)
     await together(*((c.name, c.run) for c in (timed, plain, resampled)))
+
+
+@pipeline_scenario(
+    "pipeline_not_streamed",
+    params=(AUDIO_MODALITIES, SHUTDOWN),
+    summary="clients that ask for the whole answer at once (a non-streamed chat or speech request): each gets one "
+    "output per kind — its exact text, its exact audio, word timestamps over all of it — then its terminal, while "
+    "a streamed request runs beside them",
+    issue="#7544 (the non-streamed path of the serving layer)",
+)
+async def pipeline_not_streamed(world: World) -> None:
+    whole = Client(world, "whole", REMAINDER, "W", streamed=False)
+    timed = Client(world, "whole.timed", BOUNDARY, "T", modalities=("audio",), word_timestamps=True, streamed=False)
+    streamed = Client(world, "streamed", SHORT, "S")
+    await together(*((c.name, c.run) for c in (whole, timed, streamed)))
 
 
 @pipeline_scenario(

@@ -47,6 +47,18 @@ def test_config_contract_compares_each_fact_with_the_spec() -> None:
     assert INVARIANTS["config-contract"].check(broken) == ["async_chunk of (True, False): got True, spec §1 says False"]
 
 
+def test_abort_stops_work_allows_the_step_in_flight_only() -> None:
+    def sent(n: int) -> list[tuple[str, dict[str, object]]]:
+        return [("adapter.save_async", {"ext": "L", "req": "L#0"})] * n
+
+    for ended in ("orch.abort.begin", "orch.fail", "client.left"):  # (a client gone is an abort)
+        assert INVARIANTS["abort-stops-work"].check(world_of((ended, {"req": "L"}), *sent(1))) == []
+        assert INVARIANTS["abort-stops-work"].check(world_of((ended, {"req": "L"}), *sent(2))) == [
+            "main kept working on L#0 after its request ended (a second chunk at event 2)"
+        ]
+    assert INVARIANTS["abort-stops-work"].check(world_of(*sent(3))) == []  # (a request that runs on)
+
+
 def test_bad_input_refused_compares_each_case_with_what_it_must_give() -> None:
     held = world_of(
         ("input.case", {"what": "a put under the key 'a/b'", "got": "InvalidKeyError", "want": "InvalidKeyError"})
