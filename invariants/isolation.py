@@ -92,3 +92,41 @@ def death_noticed(world: ObservedWorld) -> list[str]:
                     f"{'died' if ev.name == 'process.killed' else 'stopped'}; it must end within {NOTICE_US / 1e6:g}s"
                 )
     return out
+
+
+#: The supervisor's restart back-off, restated (a runtime that backs off less must not set the
+#: bar it is checked against): 0.1 s, doubling up to 5 s, back to 0.1 s after a life of 10 s.
+FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_AFTER_S = 0.1, 5.0, 10.0
+
+
+@invariant(
+    "restarts-back-off",
+    "a stage restarted after a death starts its new life in a namespace none of its lives wrote into, and only "
+    "once its back-off has passed since the dead life was buried: 0.1 s, doubling with each death up to 5 s, "
+    "back to 0.1 s after a life of 10 s or more (a stage that dies as it starts is not restarted in a hot loop)",
+)
+def restarts_back_off(world: ObservedWorld) -> list[str]:
+    out = []
+    for stage in sorted({str(ev.attrs["stage"]) for ev in world.trace if ev.name == "stage.life"}):
+        used: set[str] = set()
+        born_us = buried_us = 0
+        backoff = next_backoff = FIRST_BACKOFF_S
+        for ev in world.trace:
+            if ev.name not in ("stage.life", "stage.died", "stage.buried") or str(ev.attrs["stage"]) != stage:
+                continue
+            if ev.name == "stage.died":
+                lived = (ev.time_us - born_us) / 1e6
+                backoff = FIRST_BACKOFF_S if lived >= STABLE_AFTER_S else next_backoff
+                next_backoff = min(backoff * 2, MAX_BACKOFF_S)
+            elif ev.name == "stage.buried":
+                buried_us = ev.time_us
+            else:
+                ns = str(ev.attrs["ns"])
+                if ns in used:
+                    out.append(f"stage {stage} started a new life in {ns}, where an earlier life wrote")
+                waited = (ev.time_us - buried_us) / 1e6
+                if used and round(waited, 6) != round(backoff, 6):
+                    out.append(f"stage {stage} restarted {waited:g}s after its dead life's burial, not {backoff:g}s")
+                used.add(ns)
+                born_us = ev.time_us
+    return out

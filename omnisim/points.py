@@ -98,6 +98,10 @@ POINTS: dict[str, tuple[str, str]] = {
         "a request's release sweep ran on every stage; its id is free [req, answered: it ended whole, reclaimed]",
     ),
     "stage.life": ("note", "a stage's supervisor starts a life of it, writing into a namespace [stage, ns]"),
+    "stage.buried": (
+        "note",
+        "a dead life of a stage is gone for sure and its namespace swept; a restart backs off from here [stage, ns]",
+    ),
     "stage.died": ("note", "a stage's supervisor found its life dead (exited, or silent too long) [stage, reason]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),
     "scenario.client.wait": ("point", "a scenario's client lets time pass before it disconnects [req]"),

@@ -84,6 +84,7 @@ class Supervised:
                 await self.bury()
             finally:  # (a head stopped meanwhile still removes what the dead life left)
                 self.sweep(self.namespace)
+            k.note("stage.buried", stage=self.spec.stage_id, ns=self.namespace)
             if self._stopping or self.restart != "restart":
                 return
             if k.now() - born >= STABLE_AFTER_S:

@@ -1,13 +1,12 @@
 """Mutants of fault isolation (issue 10): the supervisor and the orchestrator's handling of a stage
 process that dies or stops, each found by ``stage_crash`` through the invariant it declares.
 
-Issue 10 also asked for "restart re-using the dead namespace". It is not here because, in this
-design, it is an equivalent mutant: the supervisor kills and sweeps the dead life's namespace
-*before* it starts the next life, a life claims its namespace under the owner lock before it
-writes, and a consumer claims a chunk under that same lock, so a restarted stage writing into its
-old (now empty) namespace is observably the same as one writing into a fresh one. A fresh
-namespace per life is kept because it makes leftovers attributable to exactly one dead process
-when a sweep itself is interrupted; ``stage_crash`` cannot interrupt the supervisor's sweep.
+"Restart re-using the dead namespace" (issue 10) harms no request here: the supervisor kills and
+sweeps the dead life's namespace *before* it starts the next life, a life claims its namespace
+under the owner lock before it writes, and a consumer claims a chunk under that same lock. A fresh
+namespace per life is the design's rule all the same (it makes leftovers attributable to exactly
+one dead process when a sweep itself is interrupted), so ``restarts-back-off`` checks the rule
+itself, and ``restart_reuses_namespace`` breaks it.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from omnisim.registry import Patch, mutant
+from runtime import supervisor
 from runtime.kernel import current_kernel
 from runtime.orchestrator import Orchestrator, RequestState
 from runtime.supervisor import HEARTBEAT_S, Life, LocalStage
@@ -86,3 +86,31 @@ def heartbeat_never_checked() -> Iterator[Patch]:
         return ""
 
     yield Patch(LocalStage, "_watch", watch)
+
+
+@mutant(
+    "restart_hot_loop",
+    summary="the supervisor restarts a dead stage at once, with no back-off: a stage that dies as it starts is "
+    "restarted in a hot loop",
+    issue="issue 10 (restarts back off)",
+    scenarios=("stage_crash",),
+    expect=("restarts-back-off",),
+)
+def restart_hot_loop() -> Iterator[Patch]:
+    yield Patch(supervisor, "FIRST_BACKOFF_S", 0.0)
+
+
+@mutant(
+    "restart_reuses_namespace",
+    summary="a restarted stage's new life writes into the dead life's namespace instead of a fresh one",
+    issue="issue 10 (restart re-using the dead namespace)",
+    scenarios=("stage_crash",),
+    expect=("restarts-back-off",),
+)
+def restart_reuses_namespace() -> Iterator[Patch]:
+    fresh = LocalStage.new_namespace
+
+    def the_old_one(self: LocalStage) -> str:
+        return getattr(self, "namespace", None) or fresh(self)
+
+    yield Patch(LocalStage, "new_namespace", the_old_one)

@@ -37,7 +37,7 @@ from omnisim.sim_kernel import SimKernel
 from omnisim.stage_processes import build_process_engine
 from omnisim.world import World
 from runtime.config.pipeline import load_pipeline
-from runtime.kernel import current_kernel
+from runtime.kernel import Attr, current_kernel
 from runtime.orchestrator import SHUT_DOWN, Unavailable
 from scenarios.edge import together
 from scenarios.pipeline import BOUNDARY, REMAINDER, SHORT, Client, abort_once_submitted, engine_of, models
@@ -61,13 +61,24 @@ CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ("thinker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "0"}),
     ("talker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "1"}),
     ("talker", "paused"): ("pause_stage", "shm.put.written", {"key": "V_1_1"}),
+    # Its first two lives die as V, then the reused V, reach them: the second restart backs off longer.
+    ("talker", "twice"): ("crash_stage", "adapter.load_async", {"req": "V#1"}),
 }
+#: How many lives of the stage a crash takes (each at its own hit of the point).
+LIVES_TAKEN = {"twice": 2}
 CRASH = Param("crash", tuple(f"{stage}@{phase}" for stage, phase in CRASHES), "which stage dies, and when")
 #: How soon after its death a stage must be running again: noticed within a second of silence,
 #: restarted after the supervisor's first back-off.
 RESTART_WITHIN_S = 1.5
 #: The invariants of a stage death, on top of the defaults.
-ISOLATION = (*DEFAULT_INVARIANTS, "fault-isolation", "death-noticed", "abort-stops-work", "no-residue-after-sweep")
+ISOLATION = (
+    *DEFAULT_INVARIANTS,
+    "fault-isolation",
+    "death-noticed",
+    "abort-stops-work",
+    "no-residue-after-sweep",
+    "restarts-back-off",
+)
 #: How both scenarios of a stage death run: its invariants, and a long run's horizon and budget.
 PROCESS_RUN: dict[str, Any] = {"invariants": ISOLATION, "horizon_s": 60.0, "budget_share": 0.5}
 
@@ -106,13 +117,16 @@ async def text_while_down(world: World, stage: str) -> None:
     )
 
 
-def first_event(name: str, **attrs: str) -> TraceEvent | None:
-    """The run's first trace event ``name`` with ``attrs``, so far."""
+def events(name: str, **attrs: Attr) -> list[TraceEvent]:
+    """The run's trace events ``name`` with ``attrs``, so far."""
     kernel = current_kernel()
     assert isinstance(kernel, SimKernel)
-    return next(
-        (e for e in kernel.trace if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())), None
-    )
+    return [e for e in kernel.trace if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())]
+
+
+def first_event(name: str, **attrs: Attr) -> TraceEvent | None:
+    """The run's first trace event ``name`` with ``attrs``, so far."""
+    return next(iter(events(name, **attrs)), None)
 
 
 def crashed(params: Params) -> tuple[str, str]:
@@ -131,7 +145,8 @@ def build(store_kind: str, params: Params, *, restart: str = "restart") -> World
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
     kind, at, match = CRASHES[crashed(params)]
-    world.inject(FaultPlan([Fault(kind, match=match, at=at)]))
+    lives = LIVES_TAKEN.get(crashed(params)[1], 1)
+    world.inject(FaultPlan([Fault(kind, match=match, at=at, nth=n) for n in range(1, lives + 1)]))
     return world
 
 
@@ -160,6 +175,8 @@ async def stage_crash(world: World) -> None:
     if stage == "thinker":
         text_only.outcomes = frozenset({"finished", "failed"})
     again = Client(world, "V.again", SHORT, "V")
+    if phase == "twice":
+        again.outcomes = frozenset({"finished", "failed"})
 
     async def victim_then_reuse() -> None:
         if phase == "during_abort":
@@ -182,11 +199,10 @@ async def stage_crash(world: World) -> None:
     deadline = k.now() + RESTART_WITHIN_S
     while world.deaths and engine.stages[sid].health()["restarts"] < 1 and k.now() < deadline:
         await k.sleep(0.05)
-    world.probe(
-        "fault-isolation",
-        not world.deaths or engine.stages[sid].health()["restarts"] >= 1,
-        f"{stage} died but was never restarted",
-    )
+    restarts = engine.stages[sid].health()["restarts"]
+    world.probe("fault-isolation", not world.deaths or restarts >= 1, f"{stage} died but was never restarted")
+    lives = len(events("stage.life", stage=sid))
+    world.probe("health-counts-true", restarts == lives - 1, f"{stage} reports {restarts} restarts after {lives} lives")
 
 
 #: Where a stage dies in ``stage_crash_no_restart``: each stage, in the middle of V's stream.

@@ -59,6 +59,25 @@ def test_abort_stops_work_allows_the_step_in_flight_only() -> None:
     assert INVARIANTS["abort-stops-work"].check(world_of(*sent(3))) == []  # (a request that runs on)
 
 
+def test_restarts_back_off_in_a_new_namespace() -> None:
+    def lives(*steps: tuple[str, int, str]) -> ObservedWorld:
+        trace = [TraceEvent(i, us, "main", name, {"stage": 1, "ns": ns}) for i, (name, us, ns) in enumerate(steps)]
+        return ObservedWorld(trace=trace, snapshots=[], streams={}, crashes=[])
+
+    check = INVARIANTS["restarts-back-off"].check
+    died_twice = [("stage.life", 0, "a"), ("stage.died", 1, "a"), ("stage.buried", 1, "a")]
+    died_twice += [("stage.life", 100_001, "b"), ("stage.died", 200_000, "b"), ("stage.buried", 200_000, "b")]
+    assert check(lives(*died_twice, ("stage.life", 400_000, "c"))) == []  # 0.1 s, then 0.2 s
+    assert check(lives(*died_twice, ("stage.life", 300_000, "c"))) == [
+        "stage 1 restarted 0.1s after its dead life's burial, not 0.2s"
+    ]
+    assert check(lives(*died_twice[:3], ("stage.life", 100_001, "a"))) == [
+        "stage 1 started a new life in a, where an earlier life wrote"
+    ]
+    stable = [("stage.life", 0, "a"), ("stage.died", 10_000_000, "a"), ("stage.buried", 10_000_000, "a")]
+    assert check(lives(*stable, ("stage.life", 10_100_000, "b"))) == []  # a life of 10 s: back to 0.1 s
+
+
 def test_bad_input_refused_compares_each_case_with_what_it_must_give() -> None:
     held = world_of(
         ("input.case", {"what": "a put under the key 'a/b'", "got": "InvalidKeyError", "want": "InvalidKeyError"})
