@@ -213,12 +213,20 @@ async def run_once_async(
     )
 
 
+#: The random schedules :func:`pct_steps` measures.
+PCT_PROBES = 3
+
+
 async def pct_steps(scn: Scenario, store: str, mutant: str | None, params: Params | None) -> int | None:
-    """How many choices a run of ``scn`` makes, for pct to draw its change points among: those of
-    its first seed's random schedule. Measured the same way by every run and exploration, so a
-    pct find's seed is all that ``run --seed`` needs to repeat it."""
-    probe = await run_once_async(scn, store, RandomStrategy(0), 0, mutant, params)
-    return len(probe.choices) or None
+    """How many choices a run of ``scn`` makes, for pct to draw its change points among: the most
+    of a few random schedules' (PCT's bound needs the longest run's count: a change point past
+    the count is never drawn). Measured the same way by every run and exploration, so a pct
+    find's seed is all that ``run --seed`` needs to repeat it."""
+    steps = [
+        len((await run_once_async(scn, store, RandomStrategy(seed), seed, mutant, params)).choices)
+        for seed in range(PCT_PROBES)
+    ]
+    return max(steps) or None
 
 
 def _misuse_in(error: BaseException) -> Misuse | None:

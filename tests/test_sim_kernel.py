@@ -502,10 +502,12 @@ def test_constraint_parse_errors() -> None:
     for bad in ("a", "", "a < ", "a b < c", "a[k] < b", "a[=v] < b", "a[k=v < b"):
         with pytest.raises(ConstraintError):
             OrderedStrategy(0, [bad])
-    chain = parse_chain(" shm.put.begin[key=R_1_0, n=2] < orch.abort.end ")
-    assert [str(p) for p in chain] == ["shm.put.begin[key=R_1_0,n=2]", "orch.abort.end"]
-    assert chain[0].matches("shm.put.begin", {"key": "R_1_0", "n": 2})
-    assert not chain[0].matches("shm.put.begin", {"key": "R_1_0"})
+    chain = parse_chain(" shm.put.created[key=R_1_0, via=ring] < orch.abort.end ")
+    assert [str(p) for p in chain] == ["shm.put.created[key=R_1_0,via=ring]", "orch.abort.end"]
+    assert chain[0].matches("shm.put.created", {"key": "R_1_0", "via": "ring"})
+    assert not chain[0].matches("shm.put.created", {"key": "R_1_0"})
+    with pytest.raises(ConstraintError, match="has no attribute 'n': it carries key"):
+        parse_chain("shm.put.begin[key=R_1_0, n=2] < orch.abort.end")  # (it could never match)
 
 
 # -- replay ------------------------------------------------------------------------------------
