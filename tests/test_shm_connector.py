@@ -131,6 +131,13 @@ async def test_the_handle_of_a_replaced_put_finds_nothing(store: Store, transpor
     assert residue(store) == ([], [])
 
 
+async def test_a_connector_used_with_async_with_is_closed_at_the_end(store: Store) -> None:
+    async with ShmConnector(store) as conn:
+        await put(conn, "W_0_0", {"v": torch.zeros(8)})  # (unread: the close removes it)
+    assert residue(store) == ([], [])
+    assert not (await conn.put("0", "1", "W_0_1", 1)).ok  # (closed)
+
+
 async def test_get_missing_returns_none(store: Store) -> None:
     conn = ShmConnector(store)
     assert await conn.get("0", "1", "nothing_0_0") is None

@@ -112,7 +112,7 @@ DTYPE_NAMES = sorted(TORCH_DTYPES)
 def test_dtype_table_is_consistent() -> None:
     for name, dtype in TORCH_DTYPES.items():
         assert str(dtype) == f"torch.{name}"
-    assert {"bool", "bfloat16", "float16", "complex128", "int64"} <= set(TORCH_DTYPES)
+    assert {"bool", "bfloat16", "float16", "complex128", "int64", "uint64", "float8_e5m2"} <= set(TORCH_DTYPES)
 
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)

@@ -960,6 +960,13 @@ class ShmConnector:
             "putting": sorted(self._putting),
         }
 
+    async def __aenter__(self) -> ShmConnector:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """``async with`` closes the connector (upstream's ``__exit__``: closing may wait here)."""
+        await self.close()
+
     async def close(self) -> None:
         """Remove every tracked key, unread ones included. Idempotent."""
         if self._closed:

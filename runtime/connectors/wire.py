@@ -161,6 +161,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
         torch.float64,
         torch.complex64,
         torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
     )
 }
 
@@ -183,7 +188,7 @@ def _align(n: int) -> int:
 
 #: The dtypes numpy has too: a plain CPU tensor of one of them is viewed as bytes through numpy,
 #: whose view operations cost a fraction of torch's (a small chunk pays for them per tensor).
-_NUMPY_DTYPES = frozenset(TORCH_DTYPES.values()) - {torch.bfloat16}
+_NUMPY_DTYPES = frozenset(TORCH_DTYPES.values()) - {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
 def _as_bytes_array(t: torch.Tensor) -> np.ndarray:
