@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from invariants.dataplane import ring_retired, ring_unread_keys
-from omnisim.sim_kernel import SimKernel
+from omnisim.sim_kernel import current_trace
 from runtime.connectors.base import CorruptChunk, PutResult
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.ring import edge_name
@@ -91,11 +91,15 @@ class Answers:
 
         async def answered_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
             sent_on.add(edge_name(from_stage, to_stage))
+            trace = current_trace()
             with self._touching(put_key):
-                seen = self._seen(put_key)
+                touches, since = self._touches[put_key], len(trace)
                 with _raising_only(f"the put of {put_key}"):  # (a put never raises: spec §2.1)
                     result = await put(from_stage, to_stage, put_key, data)
-                alone = self._seen(put_key) == seen and self._under_way[put_key] == 1
+                # (the world's faults may take a chunk away too: a stray write that broke a
+                # ring, a name unlinked under its owner)
+                faulted = any(e.name == "fault" or e.name.startswith("fault.") for e in trace[since:])
+                alone = self._touches[put_key] == touches and self._under_way[put_key] == 1 and not faulted
             _check(f"the put of {put_key}", _put_answer(result, put_key), "as it went")
             if result.ok and alone:
                 _check(f"the put of {put_key}", "ok", self._placed(connector, put_key, result))
@@ -168,14 +172,6 @@ class Answers:
         finally:
             self._under_way[key] -= 1
             self._touches[key] += 1
-
-    def _seen(self, key: str) -> tuple[int, int]:
-        """What may have taken ``key``'s chunk away so far: the puts, gets and cleanups of it,
-        and the faults the world made (a stray write that broke a ring, a name unlinked under
-        its owner)."""
-        k = current_kernel()
-        assert isinstance(k, SimKernel)
-        return self._touches[key], k.faults_noted
 
     def _placed(self, connector: ShmConnector, key: str, result: PutResult) -> str:
         """``ok`` if the chunk of a put that answered ``result`` (ok) is where it says, when nothing

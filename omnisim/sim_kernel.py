@@ -38,7 +38,7 @@ import trio
 from invariants.observed import TaskState, TraceEvent
 from omnisim.base import stop_requested
 from omnisim.strategies.base import Strategy
-from runtime.kernel import Attr, KProcess, KStream, use_kernel
+from runtime.kernel import Attr, KProcess, KStream, current_kernel, use_kernel
 
 if TYPE_CHECKING:
     from omnisim.faults import Fault, FaultPlan
@@ -313,8 +313,6 @@ class SimKernel:
         self.tasks: list[SimTask] = []
         self.current: SimTask | None = None
         self.trace: list[TraceEvent] = []
-        #: The trace's faults so far: the fault plan's and those a scenario made (``fault.<kind>``).
-        self.faults_noted = 0
         self.choices: list[int] = []
         self.crashes: list[tuple[str, str]] = []
         self._next_tid = 0
@@ -598,8 +596,6 @@ class SimKernel:
     def _emit(self, task: SimTask, name: str, attrs: dict[str, Attr]) -> None:
         event = TraceEvent(len(self.trace), self.clock_us, task.name, name, attrs)
         self.trace.append(event)
-        if name == "fault" or name.startswith("fault."):
-            self.faults_noted += 1
         if self._on_event is not None:
             self._on_event(event)
 
@@ -719,3 +715,10 @@ class SimKernel:
 
     async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> KProcess:
         raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")
+
+
+def current_trace() -> list[TraceEvent]:
+    """The running simulation's trace so far (for the harness's checks made as it runs)."""
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel), "only a simulated run has a trace"
+    return kernel.trace

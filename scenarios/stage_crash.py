@@ -33,7 +33,7 @@ from typing import Any
 from invariants.observed import TraceEvent
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, scenario
-from omnisim.sim_kernel import SimKernel
+from omnisim.sim_kernel import SimKernel, current_trace
 from omnisim.stage_processes import build_process_engine
 from omnisim.world import World
 from runtime.config.pipeline import load_pipeline
@@ -119,9 +119,7 @@ async def text_while_down(world: World, stage: str) -> None:
 
 def events(name: str, **attrs: Attr) -> list[TraceEvent]:
     """The run's trace events ``name`` with ``attrs``, so far."""
-    kernel = current_kernel()
-    assert isinstance(kernel, SimKernel)
-    return [e for e in kernel.trace if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())]
+    return [e for e in current_trace() if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())]
 
 
 def first_event(name: str, **attrs: Attr) -> TraceEvent | None:

@@ -104,8 +104,14 @@ def test_a_survivor_prints_as_a_one_hunk_diff(tmp_path: Path) -> None:
 
 def test_every_reviewed_equivalent_still_exists() -> None:
     """A review of a survivor holds for that exact slip: once the code moves on, it is stale."""
-    reviewed = [*GUARDED, "runtime/processors", "runtime/orchestrator.py", "runtime/stages.py", "runtime/client.py"]
-    reviewed.append("runtime/supervisor.py")
+    reviewed = [
+        *GUARDED,
+        "runtime/processors",
+        "runtime/orchestrator.py",
+        "runtime/stages.py",
+        "runtime/client.py",
+        "runtime/supervisor.py",
+    ]
     ids = {m.id for m in mutation.find(reviewed)}
     stale = sorted(set(load_equivalents()) - ids)
     assert not stale, f"equivalents.toml names mutants that no longer exist: {stale}"
