@@ -305,6 +305,9 @@ def _unchecked(labels: list[str], scale: float) -> list[dict[str, Any]]:
 class _NoDigest:
     """A checksum that costs nothing (and checks nothing): the baseline the checksum is measured on."""
 
+    def __init__(self, generation: int = 0) -> None:
+        """(Nothing to seed.)"""
+
     def update(self, data: object) -> None:
         return None
 

@@ -639,7 +639,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(sp)
     sp.set_defaults(func=cmd_soak, needs_registry=False, plugin=[])
 
-    sp = sub.add_parser("pipeline", help="run the real pipeline (real kernel, /dev/shm, torch models)")
+    sp = sub.add_parser(
+        "pipeline",
+        help="run the real pipeline (real kernel, /dev/shm, torch models)",
+        description="Run the real pipeline: Thinker → Talker → Code2Wav on the real kernel, /dev/shm and torch models.",
+        epilog=_examples('omnisim pipeline run --text "hello world"', "omnisim pipeline run --help"),
+    )
     psub = sp.add_subparsers(dest="pipeline_command", required=True, parser_class=_Parser, metavar="COMMAND")
     sp = psub.add_parser(
         "run",
@@ -1010,7 +1015,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         *_violations_text(summary["violations"]),
     ]
     if rr.first_difference:
-        human.append(f"  uncontrolled nondeterminism or changed code: {rr.first_difference}")
+        human.append(
+            f"  the replay departs from the recording: {rr.first_difference}. The code changed since, the artifact "
+            "was edited (its scenario, seed, choices…), or the run is nondeterministic (`--check` tells)"
+        )
     if args.check:
         human.append(
             f"  NONDETERMINISTIC: two runs of the same schedule part at {rr.nondeterminism}"

@@ -786,7 +786,7 @@ def replay(path: str, *, plugins: list[str] | None = None, check: bool = False) 
         raise UsageError(f"artifact {path!r} leaves out {unknown[0]!r}, a request {scn.name} does not make")
     difference = None
     if res.trace_digest != artifact["trace_digest"]:
-        difference = _first_difference(path, res.trace_lines)
+        difference = _first_difference(path, artifact["events"], res.trace_lines)
     nondeterminism = None
     if check:
         nondeterminism = first_divergence(res.trace_lines, once()[0].trace_lines, ("the first run", "the second"))
@@ -833,13 +833,20 @@ def _replayed_elsewhere(path: str, plugins: list[str] | None) -> list[str]:
     return trace
 
 
-def _first_difference(artifact_path: str, lines: list[str]) -> str:
+def _first_difference(artifact_path: str, events: list[list[str]], lines: list[str]) -> str:
+    """Where a replay's trace ``lines`` part from the recording: from the trace file beside the
+    artifact, or, without one, from the artifact's own ``events`` (each event's task and point)."""
     trace_path = artifact_path.removesuffix(".json") + ".trace.jsonl"
     try:
         with open(trace_path) as f:
             recorded = [line.rstrip("\n") for line in f]
     except OSError:
-        return "the recorded trace is missing, so the first diverging event is unknown"
+        replayed = [f"{e['task']} at {e['ev']}" for e in map(json.loads, lines)]
+        parted = first_divergence(
+            [f"{task} at {point}" for task, point in events], replayed, ("recorded", "replay gave")
+        )
+        compared = "the recorded trace is missing: only the artifact's tasks and points were compared"
+        return f"{parted or 'the same tasks at the same points'} ({compared})"
     return first_divergence(recorded, lines, ("recorded", "replay gave")) or "the traces are the same"
 
 

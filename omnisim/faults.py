@@ -205,15 +205,13 @@ def parse_fault(spec: str) -> Fault:
 def faults_of_specs(specs: Sequence[str], seed: int, hit_probability: float = 0.2) -> list[Fault]:
     """The faults of command-line specs (``--fault``, ``--faults sampled``) for the run of
     ``seed``: the named ones first, then those the sampled specs draw (each active kind firing on
-    a hit with ``hit_probability``). Fresh objects on every call: a fault counts its hits."""
+    a hit with ``hit_probability``; several sampled specs draw once, over all their kinds).
+    Fresh objects on every call: a fault counts its hits."""
     named = [parse_fault(spec) for spec in specs if sampled_kinds(spec) is None]
-    drawn = [
-        fault
-        for spec in specs
-        if (kinds := sampled_kinds(spec)) is not None
-        for fault in FaultPlan.sampled(seed, list(kinds), hit_probability=hit_probability).faults
-    ]
-    return [*named, *drawn]
+    kinds = list(dict.fromkeys(kind for spec in specs for kind in sampled_kinds(spec) or ()))
+    if not kinds:
+        return named
+    return [*named, *FaultPlan.sampled(seed, kinds, hit_probability=hit_probability).faults]
 
 
 def check_raising(specs: Sequence[str]) -> None:

@@ -312,18 +312,27 @@ async def hostile_keys_and_payloads(world: World) -> None:
                 f"a get whose metadata is {name}", f"{got} {taken is not None and same(payload, taken[0])}", "ok True"
             )
 
-    # A handle names one put's payload: once a later put of its key replaced that payload, the
-    # handle finds nothing (never the later payload), and the later put's handle finds it.
-    fired, key = len(world.fired_faults()), "replaced_0_0"
-    _, old = await outcome(lambda: sender.put(*edge, key, {"x": "old"}))
-    _, new = await outcome(lambda: sender.put(*edge, key, {"x": "new"}))
-    if old is not None and new is not None and old.ok and new.ok:
-        stale, by_old = await outcome(lambda: receiver.get(*edge, key, old.metadata))
-        fresh, by_new = await outcome(lambda: receiver.get(*edge, key, new.metadata))
-        if len(world.fired_faults()) == fired:
-            got = f"{stale} {by_old is None}, {fresh} {by_new is not None and same({'x': 'new'}, by_new[0])}"
-            note_case("a get by the handle of a replaced put, then by its replacement's", got, "ok True, ok True")
-    await outcome(lambda: sender.cleanup(key))  # (what an injected fault left unread)
+    # A handle names one put's payload: once a later put of its key replaced that payload unread,
+    # or, after it was read, reused its file (the consumed segment, kept as a spare) or its place
+    # on the ring, the handle finds nothing (never the later payload); the later put's handle
+    # finds it.
+    for read_first, case in enumerate(("a replaced put", "a put that was read, after a later put of its key")):
+        fired, key = len(world.fired_faults()), f"handle_{read_first}_0"
+        _, first = await outcome(lambda key=key: sender.put(*edge, key, {"x": "first"}))  # type: ignore[misc]
+        if read_first and first is not None and first.ok:
+            await outcome(lambda key=key, first=first: receiver.get(*edge, key, first.metadata))  # type: ignore[misc]
+        _, later = await outcome(lambda key=key: sender.put(*edge, key, {"x": "later"}))  # type: ignore[misc]
+        if first is not None and later is not None and first.ok and later.ok:
+            stale, by_first = await outcome(lambda key=key, first=first: receiver.get(*edge, key, first.metadata))  # type: ignore[misc]
+            fresh, by_later = await outcome(lambda key=key, later=later: receiver.get(*edge, key, later.metadata))  # type: ignore[misc]
+            if len(world.fired_faults()) == fired:
+                found = by_later is not None and same({"x": "later"}, by_later[0])
+                note_case(
+                    f"a get by the handle of {case}, then by the later put's",
+                    f"{stale} {by_first is None}, {fresh} {found}",
+                    "ok True, ok True",
+                )
+        await outcome(lambda key=key: sender.cleanup(key))  # type: ignore[misc]  # (what an injected fault left unread)
 
     line_keys = {f"a key of {n} characters": (edge, "k" * (n - 4) + "_0_0", {"x": n}) for n in LINE_KEY_LENGTHS}
     cases = {"the longest key": (edge, LONGEST_KEY, {"x": 1}), **line_keys}

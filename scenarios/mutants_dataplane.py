@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from omnisim.registry import Patch, mutant
-from runtime.connectors import namespaces, posix_store, stores, wire
+from runtime.connectors import namespaces, posix_store, shm, stores, wire
 from runtime.connectors.namespaces import Owner, ProcessTable
 from runtime.connectors.shm import LOCK_RETRY_MAX_S, ShmConnector
 from runtime.connectors.stores import LockFile
@@ -34,13 +34,28 @@ def checksum_not_checked() -> Iterator[Patch]:
 
 
 class _Unchecked:
-    """A checksum that is always 0: every frame's matches, whatever its bytes."""
+    """A checksum that is always 0: every frame's matches, whatever its bytes (and generation)."""
+
+    def __init__(self, generation: int = 0) -> None:
+        """(Nothing to seed.)"""
 
     def update(self, data: object) -> None:
         return None
 
     def intdigest(self) -> int:
         return 0
+
+
+@mutant(
+    "handle_names_the_file_only",
+    summary="a get by a put's handle takes whatever frame the handle's file holds: once that put was read and a "
+    "later put of its key reused the file (a spare), the old handle takes the later payload from its reader",
+    issue="omnisim issue 13 (spares), found by an outside audit of the connector",
+    scenarios=("hostile_keys_and_payloads",),
+    expect=("bad-input-refused",),
+)
+def handle_names_the_file_only() -> Iterator[Patch]:
+    yield Patch(shm, "_holds", lambda segment, put: isinstance(put, tuple) and segment.identity == put[0])
 
 
 @mutant(

@@ -737,6 +737,28 @@ def test_an_unreadable_trace_is_a_usage_error_for_report_and_export(
             assert code == 2 and "is not a trace the simulator wrote" in err, err
 
 
+def test_a_replay_without_its_trace_file_names_where_it_departs_from_the_artifact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The artifact's own events (task and point of each) say where a replay departs when the
+    trace file beside it is gone (found by an outside audit: it said "unknown")."""
+    argv = ["explore", "similar_ids", "--mutant", "prefix_cleanup", "--budget", "3", "--no-shrink"]
+    code, _, err = omnisim(capsys, *argv, "--out", str(tmp_path))
+    assert code == 1, err
+    (artifact,) = tmp_path.glob("*-seed*.json")
+    artifact.with_name(artifact.name.removesuffix(".json") + ".trace.jsonl").unlink()
+    recorded = json.loads(artifact.read_text())
+    task = recorded["events"][3][0]
+    recorded["events"][3] = [task, "a.point.never.reached"]
+    recorded["trace_digest"] = "0" * 64
+    artifact.write_text(json.dumps(recorded))
+    code, out, err = omnisim(capsys, "replay", str(artifact), "--json")
+    assert code == 3, err
+    difference = last_json(out)["first_difference"]
+    assert difference.startswith(f"event 3: recorded {task} at a.point.never.reached but replay gave {task} at ")
+    assert "the recorded trace is missing" in difference
+
+
 def test_an_empty_shard_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = omnisim(capsys, "explore", "abort_during_put", "--budget", "1", "--shard", "1/2")
     assert code == 0 and "shard 1/2 has none of the 1 exploration(s) to run" in err

@@ -124,3 +124,17 @@ def test_a_fault_spec_fires_on_the_hit_it_names() -> None:
 def test_a_soak_refuses_faults_it_cannot_inject(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["soak", "--requests", "1", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_several_sampled_specs_draw_once_over_all_their_kinds() -> None:
+    """``--faults sampled --faults sampled:put_fail`` is one BUGGIFY plan over the union of the
+    kinds, not two plans that each fire the same kinds (found by an outside audit of the CLI)."""
+    from omnisim.faults import SAMPLED_KINDS, faults_of_specs
+
+    def drawn(specs: list[str]) -> list[tuple[str, str]]:
+        return [(f.kind, repr(f)) for f in faults_of_specs(specs, seed=3)]
+
+    assert "put_fail" in SAMPLED_KINDS
+    assert drawn(["sampled", "sampled:put_fail"]) == drawn(["sampled"])
+    assert drawn(["sampled:put_fail", "sampled:decode_fail"]) == drawn(["sampled:put_fail,decode_fail"])
+    assert drawn(["sampled:put_fail", "sampled:put_fail"]) == drawn(["sampled:put_fail"])

@@ -408,6 +408,7 @@ def test_health_and_metrics(server: Running) -> None:
             400,
         ),
         ("/v1/audio/speech", json.dumps({"input": "hi", "stream": "yes"}).encode(), 400),
+        ("/v1/audio/speech", json.dumps({"input": "hi", "stream": False, "stream_format": "sse"}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"input": "hi", "max_new_tokens": True}).encode(), 400),
         ("/v1/audio/speech", json.dumps({"voice": "alloy"}).encode(), 400),
         ("/v1/audio/speech", b"x" * (2 << 20), 413),

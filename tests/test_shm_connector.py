@@ -65,7 +65,7 @@ async def test_put_get_round_trip(store: Store) -> None:
     result = await conn.put("0", "1", "R_0_0", payload)
     assert result.ok
     assert result.size > 0
-    file = list(store.open_segment("R_0_0").identity)  # type: ignore[union-attr]
+    file = [*store.open_segment("R_0_0").identity, 0]  # type: ignore[union-attr]  # (a new file: generation 0)
     assert result.metadata == {"shm": {"name": "R_0_0", "size": result.size, "file": file}, "size": result.size}
     assert pending(conn) == ["R_0_0"]
     assert residue(store) == (["R_0_0"], ["R_0_0"])  # the writer leaves its lock file
@@ -128,6 +128,25 @@ async def test_the_handle_of_a_replaced_put_finds_nothing(store: Store, transpor
     assert (await consumer.get("0", "1", "R_1_0", big))[1] == big["size"]  # type: ignore[index]
     await producer.close()
     await consumer.close()
+    assert residue(store) == ([], [])
+
+
+async def test_the_handle_of_a_consumed_put_never_finds_a_later_put_in_its_reused_file(store: Store) -> None:
+    """A consumed large segment is kept as a spare, and the next put of about its size reuses
+    the same file: a second get by the first put's handle finds nothing (it would take the later
+    put's payload from its reader), the later handle finds its own."""
+    conn = ShmConnector(store)
+    first = (await conn.put("0", "1", "R_2_0", torch.zeros(1 << 20, dtype=torch.uint8))).metadata
+    assert (await conn.get("0", "1", "R_2_0", first))[1] == first["size"]  # type: ignore[index]
+    assert store.spares() == ["R_2_0"]
+    second = (await conn.put("0", "1", "R_2_0", torch.ones(1 << 20, dtype=torch.uint8))).metadata
+    assert store.spares() == []  # (it took the spare: the same file)
+    assert second["shm"]["file"][:2] == first["shm"]["file"][:2]
+    assert second["shm"]["file"][2] == first["shm"]["file"][2] + 1
+    assert await conn.get("0", "1", "R_2_0", first) is None
+    got = await conn.get("0", "1", "R_2_0", second)
+    assert got is not None and bool(got[0].eq(1).all())
+    await conn.close()
     assert residue(store) == ([], [])
 
 
@@ -895,7 +914,7 @@ async def test_a_put_that_raises_after_making_its_segment_leaves_it_tracked(
     request's prefix cleanup or the connector's close must still find it."""
     conn = ShmConnector(store, stage_id=1)
 
-    async def raises(frame: EncodedFrame, segment: Any) -> int:
+    async def raises(frame: EncodedFrame, segment: Any, generation: int = 0) -> int:
         raise RuntimeError("interrupted")
 
     monkeypatch.setattr(ShmConnector, "_write_body", staticmethod(raises))

@@ -52,9 +52,10 @@ from runtime.connectors.stores import (
     StoreError,
     StoreFull,
     choose_spare,
+    next_generation,
     uncommitted_tail,
 )
-from runtime.connectors.wire import Buffer, WireDecodeError
+from runtime.connectors.wire import TRAILER, Buffer, BufferIO, WireDecodeError
 
 NAMESPACE_PATTERN = re.compile(r"[a-z0-9]{1,24}")
 #: The only mode the store creates, and the only one it accepts on a name it opens.
@@ -191,6 +192,7 @@ class _PosixSegment:
         self._on_close = on_close
         self._store = store
         self._identity = identity
+        self.generation = 0
 
     @property
     def identity(self) -> SegmentId:
@@ -201,11 +203,12 @@ class _PosixSegment:
         return self._identity
 
     def reserve(self, size: int) -> None:
-        spare = self._store._take_spare(self._key, self._fd, size) if self._store is not None else None
+        spare, generation = self._store._take_spare(self._key, self._fd, size) if self._store is not None else (None, 0)
         if spare is not None:
             os.close(self._fd)  # the empty segment it replaced under the key's name
             self._fd = spare
             self._identity = None
+            self.generation = generation
             self.size = size
             return
 
@@ -415,13 +418,14 @@ class PosixStore:
                 fd = self.with_room(lambda: _create(path))
         return _PosixSegment(key, fd, 0, self.handles.opened(f"segment {key}"), self)
 
-    def _take_spare(self, key: str, created: int, size: int) -> int | None:
+    def _take_spare(self, key: str, created: int, size: int) -> tuple[int | None, int]:
         """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
-        all backed, its commit trailer zeroed, then renamed onto the key's name; its descriptor.
-        None if there is no spare to take, or the new segment lost its name meanwhile (a cleanup
-        removed it: the put writes into nothing, as it would have)."""
+        all backed, its commit trailer zeroed, then renamed onto the key's name: its descriptor,
+        and the generation of its next frame. None for the descriptor if there is no spare to
+        take, or the new segment lost its name meanwhile (a cleanup removed it: the put writes
+        into nothing, as it would have)."""
         if size < self.spare_min_bytes:
-            return None
+            return None, 0
         sizes = {}
         for name in self.spares():
             with contextlib.suppress(FileNotFoundError):
@@ -431,17 +435,18 @@ class PosixStore:
         name = choose_spare(sizes, size)
         with _translated("reuse a spare for segment", key):
             if name is None or not _names_file(self.segment_path(key), created):
-                return None
+                return None, 0
         # Only this process renames or removes a spare of its namespace, and no one replaces one:
         # the name opened here is the one renamed below.
         with _translated("reuse a spare for segment", key):
             try:
                 fd = os.open(self._spare_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
-                return None
+                return None, 0
         try:
             _check_ours(fd, key, "spare segment")
             held = sizes[name]
+            generation = next_generation(BufferIO(os.pread(fd, TRAILER.size, max(0, held - TRAILER.size))))
             if size != held:
                 os.ftruncate(fd, size)
             if size > held:  # the pages up to its old size exist: only the new ones are reserved
@@ -452,11 +457,11 @@ class PosixStore:
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
-                return None  # too small to grow here: the put makes room as for a fresh segment
+                return None, 0  # too small to grow here: the put makes room as for a fresh segment
             if isinstance(e, OSError):
                 raise _reservation_error("reuse a spare for segment", key, size, e) from None
             raise
-        return fd
+        return fd, generation
 
     def _drop_spares(self) -> int:
         """Remove every spare of the namespace (a full /dev/shm: a cache gives way); how many."""

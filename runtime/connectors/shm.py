@@ -51,6 +51,7 @@ from runtime.connectors.wire import (
     LostChunk,
     WireDecodeError,
     WireEncodeError,
+    committed_generation,
 )
 from runtime.kernel import current_kernel, wait_until
 
@@ -82,16 +83,17 @@ class ConnectorClosed(StoreError):
     """A put on a connector that is closed, or was closed before the put ended."""
 
 
-#: Which put's payload a handle names: the segment file it made, or its ring frame's position.
-PutId = SegmentId | int
+#: Which put's payload a handle names: the segment file it wrote and its frame's generation there
+#: (a later put may reuse the file), or its ring frame's position.
+PutId = tuple[SegmentId, int] | int
 
 
 def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
     """The key a get reads (spec §2.4), and which put's payload it may take (None: any).
 
     Metadata keyed by ``get_key`` is unwrapped; a put's handle (``{"shm": {"name": key}}``) names
-    the key, and the segment file or ring frame that put made (a handle of an older put of the
-    key finds nothing: its payload was replaced); anything else, a handle naming no valid key
+    the key, and the segment frame or ring frame that put made (a handle of an older put of the
+    key finds nothing: its payload was consumed or replaced); anything else, a handle naming no valid key
     included, falls back to ``get_key``."""
     if isinstance(metadata, dict) and isinstance(get_key, str) and get_key in metadata:
         metadata = metadata[get_key]
@@ -103,9 +105,20 @@ def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
     except InvalidKeyError:
         return get_key, None
     file, frame = shm.get("file"), shm.get("frame")
-    if isinstance(file, list) and len(file) == 2 and all(isinstance(n, int) for n in file):
-        return key, (file[0], file[1])
+    if isinstance(file, list) and len(file) == 3 and all(isinstance(n, int) for n in file):
+        return key, ((file[0], file[1]), file[2])
     return key, frame if isinstance(frame, int) and not isinstance(frame, bool) else None
+
+
+def _holds(segment: Segment, put: PutId) -> bool:
+    """Whether ``segment`` holds the frame of the put ``put`` names (not a later put's frame in
+    the same file, a spare reused; a trailer that cannot be read names no put)."""
+    if not isinstance(put, tuple) or segment.identity != put[0]:
+        return False
+    try:
+        return committed_generation(segment) == put[1]
+    except WireDecodeError:
+        return False
 
 
 class ShmConnector:
@@ -188,10 +201,10 @@ class ShmConnector:
             await self._take_turn(put_key)
             try:
                 on_ring = await self._put_on_ring(from_stage, to_stage, put_key, frame)
-                identity = None
+                written: PutId | None = None
                 if not on_ring:
                     try:
-                        identity = await self._write_locked(put_key, frame)
+                        written = await self._write_locked(put_key, frame)
                     except (StoreError, WireEncodeError):
                         raise  # (a failure it reports: it left nothing)
                     except BaseException:
@@ -200,7 +213,7 @@ class ShmConnector:
                         # removes it if no exact cleanup does.
                         self._pending_keys.setdefault(put_key, None)
                         raise
-                self._pending_keys[put_key] = identity
+                self._pending_keys[put_key] = written[0] if written is not None else None
                 self._failed_cleanups.pop(put_key, None)  # (what a failed cleanup left, this put replaced)
             finally:
                 self._putting.discard(put_key)
@@ -221,8 +234,9 @@ class ShmConnector:
         self._bytes += frame.size
         await k.point("shm.put.end", key=put_key)
         handle: dict[str, Any] = {"name": put_key, "size": frame.size}
-        if identity is not None:
-            handle["file"] = list(identity)
+        if written is not None:
+            (device, inode), generation = written
+            handle["file"] = [device, inode, generation]
         elif put_key in self._ring_keys:
             handle["frame"] = self._ring_keys[put_key][1]
         return PutResult(True, frame.size, {"shm": handle, "size": frame.size})
@@ -462,8 +476,9 @@ class ShmConnector:
         if ring.room_was_wanted() and self._wakeups is not None:
             self._wakeups.notify(rings.room_channel(edge))
 
-    async def _write_locked(self, key: str, frame: EncodedFrame) -> SegmentId:
-        """Write ``frame`` to a new segment of ``key``; which segment it is."""
+    async def _write_locked(self, key: str, frame: EncodedFrame) -> tuple[SegmentId, int]:
+        """Write ``frame`` to a new segment of ``key``; which segment it is, and the generation of
+        the frame in it."""
         # The lock file is taken *before* the segment exists and released only once the frame is
         # committed, so a non-blocking reader never finds a writer at work; and the commit
         # trailer goes last, so a reader after a writer that died mid-frame finds no commit.
@@ -478,11 +493,11 @@ class ShmConnector:
             created.reserve(frame.size)
             self._pending_keys[key] = created.identity  # (a put that raises from here on left it)
             await k.point("shm.put.reserved", key=key, bytes=frame.size)
-            checksum = await self._write_body(frame, created)
+            checksum = await self._write_body(frame, created, created.generation)
             await k.point("shm.put.written", key=key)
-            frame.commit(created, checksum)
+            frame.commit(created, checksum, created.generation)
             await k.point("shm.put.committed", key=key)
-            return created.identity
+            return created.identity, created.generation
         except StoreError:
             self._roll_back(key, created=segment is not None)
             raise
@@ -492,16 +507,19 @@ class ShmConnector:
             lock.close()
 
     @staticmethod
-    async def _write_body(frame: EncodedFrame, segment: FrameIO) -> int:
-        """Copy the frame's body into the segment; its checksum. A large frame's checksum is
-        computed beside the copy (it reads only the payload's memory), not after it."""
+    async def _write_body(frame: EncodedFrame, segment: FrameIO, generation: int = 0) -> int:
+        """Copy the frame's body into the segment; its checksum (as a frame of ``generation``). A
+        large frame's checksum is computed beside the copy (it reads only the payload's memory),
+        not after it."""
         k = current_kernel()
         if frame.size < PARALLEL_CHECKSUM_BYTES:
-            return await k.run_blocking(lambda: (frame.write_body(segment), frame.checksum())[1], cost=frame.size)
+            return await k.run_blocking(
+                lambda: (frame.write_body(segment), frame.checksum(generation))[1], cost=frame.size
+            )
         checksum: list[int] = []
 
         async def compute() -> None:
-            checksum.append(await k.run_blocking(frame.checksum, cost=frame.size))
+            checksum.append(await k.run_blocking(lambda: frame.checksum(generation), cost=frame.size))
 
         async def copy() -> None:
             await k.run_blocking(lambda: frame.write_body(segment), cost=frame.size)
@@ -611,7 +629,7 @@ class ShmConnector:
                 raise CorruptChunk(key, str(e)) from None
             except StoreError as e:
                 raise CorruptChunk(key, str(e)) from None
-            if segment is None or (put is not None and segment.identity != put) or (claim is not None and not claim()):
+            if segment is None or (put is not None and not _holds(segment, put)) or (claim is not None and not claim()):
                 if segment is not None:
                     segment.close()
                 return None

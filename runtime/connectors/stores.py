@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from runtime.connectors.namespaces import SPARES_KEPT, Owner
-from runtime.connectors.wire import TRAILER, Buffer, BufferIO, FrameIO
+from runtime.connectors.wire import GENERATIONS, TRAILER, Buffer, BufferIO, FrameIO, committed_generation
 
 #: Segments from this size on are kept as spares once consumed (a smaller one is cheap to make).
 SPARE_MIN_BYTES = 1 << 20
@@ -46,6 +46,13 @@ def choose_spare(sizes: dict[str, int], size: int) -> str | None:
     if fitting:
         return min(fitting, key=lambda name: (sizes[name], name))
     return max(sizes, key=lambda name: (sizes[name], name))
+
+
+def next_generation(spare: FrameIO) -> int:
+    """The generation of the next frame in ``spare``, a reused segment (read before it is resized:
+    one that lost its commit trailer starts the count again)."""
+    last = committed_generation(spare)
+    return 0 if last is None else (last + 1) % GENERATIONS
 
 
 def uncommitted_tail(size: int) -> tuple[int, bytes]:
@@ -87,6 +94,12 @@ class Segment(FrameIO, Protocol):
     @property
     def identity(self) -> SegmentId:
         """Which file this is (once reserved: a spare taken then is another file)."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """The generation its frame commits (once reserved): 0 in a new file, one more than the
+        last frame's in a reused spare (which keeps its identity)."""
         ...
 
     def reserve(self, size: int) -> None:
@@ -300,9 +313,10 @@ class _MemSegment(_MemReader):
         self._store = store
         self._key = key
         self._data = data
+        self.generation = 0
 
     def reserve(self, size: int) -> None:
-        spare = self._store._take_spare(self._key, self._data, size)
+        spare, generation = self._store._take_spare(self._key, self._data, size)
         if spare is None and not self._store._make_room(size):
             raise StoreFull(self._key, size)
         self._view.release()  # a bytearray cannot grow while a view of it is held
@@ -314,6 +328,7 @@ class _MemSegment(_MemReader):
             self._on_close = self._store._opened(f"segment {self._key}", spare)
             self._data = spare
             self.identity = self._store._identities[self._key]
+            self.generation = generation
         self._view = memoryview(self._data).cast("B")
 
 
@@ -388,11 +403,14 @@ class MemoryStore:
         self.spare_min_bytes = spare_min_bytes
         self._owner = owner
         self._segments: dict[str, bytearray] = {}
-        #: What each segment's name holds, as a ``stat`` would tell it: a new number per file.
+        #: What each segment's name holds, as a ``stat`` would tell it: a new number per file (a
+        #: spare renamed onto a key keeps its own).
         self._identities: dict[str, SegmentId] = {}
         self._inode_numbers = itertools.count(1)
         #: Spares by name: the key each carried last.
         self._spares: dict[str, bytearray] = {}
+        #: Which file each spare is (a rename keeps it).
+        self._spare_identities: dict[str, SegmentId] = {}
         self._locks: dict[str, _LockInode] = {}
         self._rings: dict[str, _RingInode] = {}
         self.handles = OpenHandles()
@@ -481,35 +499,39 @@ class MemoryStore:
         data = self._segments.pop(key, None)
         if data is None:
             return False
-        del self._identities[key]
+        identity = self._identities.pop(key)
         # (a link: it never replaces a spare of that name, and on a tmpfs it takes a name of its own
         # until the key's is gone, so with no name left the segment goes, unkept)
         has_name = self.max_names is None or self.names_used() + 1 < self.max_names
-        if len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT and has_name:
-            self._spares.setdefault(key, data)
+        kept = len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT and has_name
+        if kept and key not in self._spares:
+            self._spares[key] = data
+            self._spare_identities[key] = identity
         return True
 
-    def _take_spare(self, key: str, created: bytearray, size: int) -> bytearray | None:
+    def _take_spare(self, key: str, created: bytearray, size: int) -> tuple[bytearray | None, int]:
         """What a reserve does with a spare in /dev/shm (see ``PosixStore._take_spare``): resize
         it, zero its commit trailer, rename it onto ``key``'s new segment ``created`` — unless
         that segment lost its name meanwhile (a cleanup: the put then writes into nothing, as it
         would have). The spare's old bytes stay where the new frame does not overwrite them, as
-        in a real segment."""
+        in a real segment, and it stays the same file. The spare and its next generation, or
+        (None, 0)."""
         if size < self.spare_min_bytes or self._segments.get(key) is not created:
-            return None
+            return None, 0
         name = choose_spare({n: len(d) for n, d in self._spares.items()}, size)
         if name is None:
-            return None
+            return None, 0
         old = self._spares[name]
         if self.capacity is not None and self.used() + self._pages(size) - self._pages(len(old)) > self.capacity:
-            return None  # too small to grow here: the put makes room as for a fresh segment
+            return None, 0  # too small to grow here: the put makes room as for a fresh segment
+        generation = next_generation(BufferIO(old))
         data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
         at, zeros = uncommitted_tail(size)
         data[at : at + len(zeros)] = zeros
         del self._spares[name]
         self._segments[key] = data
-        self._named(key)
-        return data
+        self._identities[key] = self._spare_identities.pop(name)
+        return data, generation
 
     def _make_room(self, size: int) -> bool:
         """Whether ``size`` more bytes fit, once the spares gave way if they must (as a full
@@ -523,12 +545,14 @@ class MemoryStore:
         """Remove every spare (the store is full: a cache gives way); how many."""
         dropped = len(self._spares)
         self._spares.clear()
+        self._spare_identities.clear()
         return dropped
 
     def spares(self) -> list[str]:
         return sorted(self._spares)
 
     def remove_spare(self, name: str) -> bool:
+        self._spare_identities.pop(name, None)
         return self._spares.pop(name, None) is not None
 
     def open_lock(self, key: str, *, create: bool) -> _MemLock | None:
@@ -581,6 +605,7 @@ class MemoryStore:
         self._segments.clear()
         self._identities.clear()
         self._spares.clear()
+        self._spare_identities.clear()
         self._locks.clear()
         self._rings.clear()
         if self._owner is not None:

@@ -4,7 +4,7 @@ sealed by a commit trailer.
 A frame is::
 
     b"OMW2" | u32 header length | msgpack header | zero padding | buffer region | trailer
-    trailer = b"OMWC" | u32 0 | u64 checksum | u64 length of everything before the trailer
+    trailer = b"OMWC" | u32 generation | u64 checksum | u64 length of everything before the trailer
 
 (little endian). The header is ordinary msgpack (maps, lists, str, int, float, bool, None,
 bytes; a dict key may be a tuple). A tensor is the extension type 1, an ndarray 2 and a PIL image
@@ -26,6 +26,9 @@ no commit and refuses the frame, instead of decoding a well-formed header over a
 checksum (XXH3-64 over the prefix, the header and every buffer, in order) catches bytes that were
 changed after the commit. It needs none of the segment's bytes, so a writer computes it beside the
 copy; a reader computes it piece by piece as each piece lands, while the piece is in the cache.
+The generation counts the frames the segment's file held before this one (a consumed segment is
+kept as a spare and reused: its count goes on), so a put's handle names its own frame, never a
+later put's in the same file.
 
 Frames are written to and read from a :class:`FrameIO`: positional writes and reads, which a
 shared-memory segment (file descriptor) and a plain byte buffer both provide.
@@ -56,8 +59,11 @@ from PIL import Image
 MAGIC = b"OMW2"
 _PREFIX = struct.Struct("<4sI")
 COMMIT_MAGIC = b"OMWC"
-#: The commit trailer: magic, padding, checksum of the body, length of the body (all before it).
+#: The commit trailer: magic, the file's generation, checksum of the body, length of the body
+#: (all before it).
 TRAILER = struct.Struct("<4sIQQ")
+#: Generations wrap at the trailer field's width.
+GENERATIONS = 1 << 32
 #: A reader checksums buffers in pieces of this size as it reads them, each while it is in the
 #: cache from its copy: one trip through memory instead of two.
 PIECE = 256 << 10
@@ -67,9 +73,10 @@ PIECE = 256 << 10
 HUGE_PAGE_BYTES = 32 << 20
 
 
-def new_digest() -> xxhash.xxh3_64:
-    """The frame checksum: XXH3-64 (measured faster than CRC-32C on this machine's reads)."""
-    return xxhash.xxh3_64()
+def new_digest(generation: int = 0) -> xxhash.xxh3_64:
+    """The frame checksum: XXH3-64 (measured faster than CRC-32C on this machine's reads), seeded
+    with the frame's generation so that it covers that too."""
+    return xxhash.xxh3_64(seed=generation)
 
 
 ALIGN = 64
@@ -280,19 +287,20 @@ class EncodedFrame:
             if data.nbytes:
                 io.write(self._buffer_base + offset, data)
 
-    def checksum(self) -> int:
-        """The checksum the trailer commits: of the prefix, the header and every buffer. It reads
-        only the payload's own memory, so it may run while :meth:`write_body` copies."""
-        digest = new_digest()
+    def checksum(self, generation: int = 0) -> int:
+        """The checksum the trailer of a frame of ``generation`` commits: of the prefix, the header
+        and every buffer. It reads only the payload's own memory, so it may run while
+        :meth:`write_body` copies."""
+        digest = new_digest(generation)
         digest.update(memoryview(self._head)[: self._header_end])
         for _, data in self._buffers:
             if data.nbytes:
                 digest.update(data)
         return digest.intdigest()
 
-    def commit(self, io: FrameIO, checksum: int) -> None:
+    def commit(self, io: FrameIO, checksum: int, generation: int = 0) -> None:
         """Write the commit trailer: from now on the frame reads as complete."""
-        io.write(self.body_size, TRAILER.pack(COMMIT_MAGIC, 0, checksum, self.body_size))
+        io.write(self.body_size, TRAILER.pack(COMMIT_MAGIC, generation, checksum, self.body_size))
 
     def write_to(self, io: FrameIO) -> None:
         """Write the whole frame (``size`` bytes) through ``io``, the commit trailer last."""
@@ -333,6 +341,15 @@ def _is_default(value: object, field: msgspec.structs.FieldInfo) -> bool:
         return True
     factory = field.default_factory
     return factory in _EMPTY_FACTORIES and type(value) is factory and not value  # type: ignore[arg-type]
+
+
+def committed_generation(frame: FrameIO) -> int | None:
+    """The generation in ``frame``'s commit trailer; None if it has none (it is uncommitted, or
+    no frame). Reads only the trailer."""
+    if frame.size < TRAILER.size:
+        return None
+    magic, generation, _, _ = TRAILER.unpack(frame.read(frame.size - TRAILER.size, TRAILER.size))
+    return generation if magic == COMMIT_MAGIC else None
 
 
 def encode(obj: object) -> bytes:
@@ -552,8 +569,8 @@ class FrameDecoder:
             raise WireDecodeError(f"frame too short ({io.size} bytes): its writer never finished")
         self._io = io
         body_size = io.size - TRAILER.size
-        magic, pad, self._committed, length = TRAILER.unpack(io.read(body_size, TRAILER.size))
-        if magic != COMMIT_MAGIC or pad:
+        magic, self._generation, self._committed, length = TRAILER.unpack(io.read(body_size, TRAILER.size))
+        if magic != COMMIT_MAGIC:
             raise WireDecodeError("uncommitted frame: its writer never finished (no commit trailer)")
         if length != body_size:
             raise WireDecodeError(f"the commit trailer says {length} bytes, the frame holds {body_size}")
@@ -583,7 +600,7 @@ class FrameDecoder:
 
     def decode(self) -> Any:
         """Read and checksum every piece in one go (each piece while it is in the cache)."""
-        digest = new_digest()
+        digest = new_digest(self._generation)
         digest.update(self._head)
         for offset, piece in self._pieces():
             self._io.read_into(offset, piece)
@@ -598,7 +615,7 @@ class FrameDecoder:
     def checksum(self) -> int:
         """The checksum of the source's bytes, read piece by piece into a scratch buffer of its
         own: it may run while :meth:`read` copies the same bytes out."""
-        digest = new_digest()
+        digest = new_digest(self._generation)
         digest.update(self._head)
         scratch = np.empty(PIECE, np.uint8)
         for offset, piece in self._pieces():

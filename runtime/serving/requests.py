@@ -295,6 +295,8 @@ def parse_speech(raw: object) -> SpeechRequest:
         raise ApiError("'speed' must be between 0.25 and 4.0", param="speed")
     stream = _field(body, "stream", _is_bool, "a boolean", False)
     stream_format = _field(body, "stream_format", lambda v: v in ("sse", "audio"), "'sse' or 'audio'", None)
+    if body.get("stream") is False and stream_format is not None:
+        raise ApiError(f"'stream_format' {stream_format!r} asks for a stream, and 'stream' is false", param="stream")
     streaming = stream or stream_format is not None
     if streaming and speed != 1.0:
         raise ApiError("a streamed response plays at speed 1.0 only", param="speed")
