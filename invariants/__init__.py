@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from invariants.observed import ObservedWorld
+from omnisim.base import UsageError
 
 Checker = Callable[[ObservedWorld], list[str]]
 
@@ -31,13 +32,32 @@ INVARIANTS: dict[str, Invariant] = {}
 
 
 def invariant(id: str, statement: str) -> Callable[[Checker], Checker]:
-    """Register a checker under ``id``."""
+    """Register a checker under ``id``; an id taken by a checker defined elsewhere is a usage
+    error (the same definition run again, its module imported a second time, replaces it)."""
 
     def register(check: Checker) -> Checker:
+        taken = INVARIANTS.get(id)
+        if taken is not None and where(taken.check) != where(check):
+            raise UsageError(f"invariant {id!r} is registered twice (first in {where(taken.check)})")
         INVARIANTS[id] = Invariant(id, statement, check)
         return check
 
     return register
+
+
+def where(fn: Callable[..., object]) -> str:
+    """Where ``fn`` is defined: ``file:line``."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
+
+
+class CheckerFailed(Exception):
+    """A checker raised instead of answering: a bug in it, never a finding. ``builtin``: the
+    checker is one of omnisim's (else a plugin's)."""
+
+    def __init__(self, id: str, check: Checker, error: Exception) -> None:
+        super().__init__(f"the checker of invariant {id!r} ({where(check)}) raised {type(error).__name__}: {error}")
+        self.builtin = check.__module__.split(".")[0] == __name__
 
 
 class UnknownInvariant(LookupError):
@@ -62,9 +82,16 @@ def check(world: ObservedWorld, ids: Iterable[str]) -> list[Violation]:
     out: list[Violation] = []
     # A probe that failed is a violation whether or not the scenario runs that invariant's checker.
     for id in [*ids, *sorted(set(probed) - set(ids))]:
-        messages = (INVARIANTS[id].check(world) if id in ids else []) + probed.get(id, [])
+        messages = (_checked(INVARIANTS[id], world) if id in ids else []) + probed.get(id, [])
         out.extend(Violation(id, message) for message in messages)
     return out
+
+
+def _checked(inv: Invariant, world: ObservedWorld) -> list[str]:
+    try:
+        return inv.check(world)
+    except Exception as e:
+        raise CheckerFailed(inv.id, inv.check, e) from e
 
 
 # The checkers register themselves on import.

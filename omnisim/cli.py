@@ -744,7 +744,9 @@ def explore_lines(s: dict[str, Any]) -> list[str]:
     lines = [head]
     wanted = s.get("wanted")
     for v in s["violations"]:
-        if wanted is None or any(found["invariant"] in wanted for found in v["violations"]):
+        if v.get("clean_too"):  # the scenario's find, not the mutant's
+            when = f"BROKEN: the runtime without the mutant trips {', '.join(v['clean_too'])} too"
+        elif wanted is None or any(found["invariant"] in wanted for found in v["violations"]):
             when = f"after {s['first_violation_after']} schedules"
         else:  # breakage, not a detection: none of the invariants the mutant declares
             when = f"BROKEN: trips none of its mutant's {', '.join(wanted)}"
@@ -1047,6 +1049,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif args.what == "invariants":
         from invariants import INVARIANTS
 
+        if args.plugin:  # (a plugin may register invariants of its own)
+            from omnisim import registry
+
+            registry.load(args.plugin)
+
         rows = [(i.id, i.statement) for i in INVARIANTS.values()]
     elif args.what == "faults":
         from omnisim.faults import FAULT_KINDS, SAMPLED_KINDS
@@ -1128,6 +1135,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     def row_lines(r: dict[str, Any]) -> list[str]:
         if r["detected"]:
             verdict = f"found after {r['schedules']} schedules ({r['seconds']}s) by {', '.join(r['fired'])}"
+        elif r["clean_too"]:
+            verdict = f"BROKEN: the runtime without it trips {', '.join(r['clean_too'])} too"
         elif r["invariants"]:
             # Something failed, but not what the mutant declares: breakage, never a detection.
             verdict = f"BROKEN: tripped {', '.join(r['invariants'])}, not {' or '.join(r['expect'])}"
@@ -1168,6 +1177,8 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                             "fired": [name for name in fired if name in m.expect],
                             # … and everything that failed, declared or not.
                             "invariants": fired,
+                            # What the runtime without the mutant trips as well (no detection).
+                            "clean_too": sorted({i for v in res.violations for i in v.get("clean_too", [])}),
                             "schedules": res.first_violation_after or res.schedules,
                             "seconds": round(res.seconds, 3),
                         }

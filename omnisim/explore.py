@@ -18,11 +18,11 @@ import hypothesis
 import trio
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from invariants import UnknownInvariant, Violation, check
+from invariants import CheckerFailed, UnknownInvariant, Violation, check
 from omnisim.base import STORES, Misuse, UsageError, is_interrupt, stop_at_decisions, stop_requested
 from omnisim.devshm import sweep_made_stores
 from omnisim.faults import Fault, FaultPlan, UnknownFaultError, fixed_fault
-from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario
+from omnisim.registry import Params, Scenario, applied, get_mutant, get_scenario, lifted
 from omnisim.shrink import Shrunk, shrink
 from omnisim.sim_kernel import SimKernel
 from omnisim.strategies.base import Strategy
@@ -186,6 +186,10 @@ async def run_once_async(
             violations = check(world.observed(outcome), scn.invariants) if checked else []
         except UnknownInvariant as e:
             raise UsageError(f"scenario {scn.name!r}: {e.args[0]}") from None
+        except CheckerFailed as e:
+            if e.builtin:
+                raise
+            raise UsageError(f"scenario {scn.name!r}: {e}") from e
     finally:
         sweep_made_stores()  # whatever the run made, even if it was stopped while building
     lines = outcome.trace_lines()
@@ -314,8 +318,10 @@ class ExploreResult:
         return bool(violations) and (self.wanted is None or any(v.invariant in self.wanted for v in violations))
 
     def counts_entry(self, entry: dict[str, Any]) -> bool:
-        """Whether a recorded entry of :attr:`violations` is a find."""
-        return self.wanted is None or any(v["invariant"] in self.wanted for v in entry["violations"])
+        """Whether a recorded entry of :attr:`violations` is a find (not one the runtime without
+        the mutant makes as well: ``clean_too``)."""
+        wanted = self.wanted is None or any(v["invariant"] in self.wanted for v in entry["violations"])
+        return wanted and not entry.get("clean_too")
 
     def invariants(self) -> list[str]:
         """Every invariant that failed in some schedule, counted or not."""
@@ -515,6 +521,8 @@ def _explore_schedules(
             if res.unsatisfied:
                 result.unsatisfied_runs += 1
             found = result.counts(res.violations)
+            clean_too = await _clean_too(res, scn, make(), mutant, result.wanted) if found else []
+            found = found and not clean_too
             if found:
                 result.first_violation_after = result.first_violation_after or result.schedules
             shrunk = None
@@ -523,6 +531,8 @@ def _explore_schedules(
                 res = shrunk.run
             if res.violations:
                 entry: dict[str, Any] = {"seed": run_seed, "violations": [v.as_dict() for v in res.violations]}
+                if clean_too:
+                    entry["clean_too"] = clean_too
                 if shrunk is not None:
                     entry["shrunk"] = shrunk.as_dict()
                 if out_dir is not None:
@@ -533,12 +543,24 @@ def _explore_schedules(
                 on_schedule(result)
             if stop_requested:
                 raise KeyboardInterrupt  # (during the shrink: the find is kept, as shrunk so far)
-            if found and stop_on_violation:
-                return
+            if (found or clean_too) and stop_on_violation:
+                return  # (a find the runtime without the mutant makes too: the scenario cannot judge it)
         if search is not None and search.next_execution() is None:
             result.exhausted = True  # the budget ended exactly where the bounded space does
 
     trio.run(loop)
+
+
+async def _clean_too(
+    found: RunResult, scn: Scenario, schedule: Strategy, mutant: str | None, wanted: tuple[str, ...] | None
+) -> list[str]:
+    """The declared invariants that the schedule of a mutant's find breaks on the runtime without
+    the mutant as well: such a find is the scenario's (or the harness's), not the mutant's."""
+    if mutant is None or wanted is None:
+        return []
+    with lifted(get_mutant(mutant)):
+        clean = await run_once_async(scn, found.store, schedule, found.seed, None, found.params)
+    return sorted({v.invariant for v in clean.violations} & set(wanted))
 
 
 async def _shrink(
@@ -633,6 +655,10 @@ def _explore_with_hypothesis(
             "steered_choices_before_shrinking": sum(1 for c in failing[0][1] if c),
             "shrink_runs": shrink_runs,
         }
+        clean_too = trio.run(_clean_too, shrunk, scn, HypothesisStrategy(steered), mutant, result.wanted)
+        if clean_too:
+            entry["clean_too"] = clean_too
+            result.first_violation_after = None
         if out_dir is not None:
             entry["artifact"] = result.artifact = save_artifact(shrunk, out_dir, plugins)
         result.violations.append(entry)

@@ -131,10 +131,16 @@ def _failure(res: ExploreResult) -> str:
     where = f"omnisim: {res.scenario} [{res.strategy}, {res.store}" + (f", mutant {res.mutant}" if res.mutant else "")
     if res.counts_entry(entry):
         lines = [f"{where}] broke an invariant after {res.first_violation_after} schedule(s), seed {entry['seed']}:"]
+    elif entry.get("clean_too"):
+        lines = [
+            f"{where}] is broken, not detected: seed {entry['seed']} breaks {', '.join(entry['clean_too'])} on the "
+            "runtime without the mutant as well (the scenario's failure, not the mutant's):"
+        ]
     else:
+        declared = ", ".join(sorted(res.wanted or ()))
         lines = [
             f"{where}] is broken, not detected: seed {entry['seed']} broke invariants its mutant does not "
-            f"declare ({', '.join(sorted(res.wanted or ()))}):"
+            f"declare (it declares {declared}):"
         ]
     lines += [f"  {v['invariant']}: {v['message']}" for v in entry["violations"]]
     artifact = entry.get("artifact")  # (none for a hypothesis search's breakage)

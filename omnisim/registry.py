@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from invariants import where as _where
 from omnisim.base import UsageError
 from omnisim.faults import FaultPlan, UnknownFaultError, faults_of_specs
 from omnisim.world import World
@@ -134,7 +135,16 @@ class Scenario:
         return combos[seed % len(combos)]
 
     def make_world(self, store: str, params: Params) -> World:
-        world = self.build(store, dict(params)) if self.params else self.build(store)
+        try:
+            world = self.build(store, dict(params)) if self.params else self.build(store)
+        except UsageError:
+            raise
+        except Exception as e:
+            if is_builtin(self.build):
+                raise
+            raise UsageError(
+                f"scenario {self.name!r}: its build ({_where(self.build)}) raised {type(e).__name__}: {e}"
+            ) from e
         world.params = dict(params)
         return world
 
@@ -195,7 +205,7 @@ def scenario(
 
     def register(body: ScenarioBody) -> ScenarioBody:
         _builtins_first(body)
-        if name in SCENARIOS:
+        if name in SCENARIOS and _where(SCENARIOS[name].body) != _where(body):
             raise UsageError(f"scenario {name!r} is registered twice (first in {_where(SCENARIOS[name].body)})")
         SCENARIOS[name] = Scenario(
             name,
@@ -226,14 +236,15 @@ def _names_of_invariants(who: str, field: str, names: object) -> None:
 
 def _builtins_first(fn: Callable[..., object]) -> None:
     """Before a plugin registers anything, the built-ins do: a plugin that takes one of their
-    names then fails where it does so, naming itself, and the built-ins stay whole."""
+    names then fails where it does so, naming itself, and the built-ins stay whole. (The same
+    definition registered again is its module imported a second time: it replaces itself.)"""
     if fn.__module__.split(".")[0] != BUILTIN_PLUGIN:
         load()
 
 
-def _where(fn: Callable[..., object]) -> str:
-    code = getattr(fn, "__code__", None)
-    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
+def is_builtin(fn: Callable[..., object]) -> bool:
+    """Whether ``fn`` is omnisim's own (else a plugin's: a user's code)."""
+    return fn.__module__.split(".")[0] in (BUILTIN_PLUGIN, "omnisim", "invariants")
 
 
 def mutant(
@@ -255,7 +266,7 @@ def mutant(
 
     def register(patches: Callable[[], Iterator[Patch]]) -> Callable[[], Iterator[Patch]]:
         _builtins_first(patches)
-        if name in MUTANTS:
+        if name in MUTANTS and _where(MUTANTS[name].patches) != _where(patches):
             raise UsageError(f"mutant {name!r} is registered twice (first in {_where(MUTANTS[name].patches)})")
         MUTANTS[name] = Mutant(name, summary, issue, patches, scenarios, expect, store)
         return patches
@@ -265,25 +276,64 @@ def mutant(
 
 @contextmanager
 def applied(m: Mutant | None) -> Iterator[None]:
-    """Apply a mutant's patches for the duration of the block (no-op for None)."""
+    """Apply a mutant's patches for the duration of the block (no-op for None). A patch of an
+    attribute its owner does not have is a usage error (a misspelt name would patch nothing)."""
     if m is None:
         yield
         return
-    saved: list[tuple[object, str, object]] = []
+    saved: list[_Patched] = []
     try:
         for p in m.patches():
+            if not hasattr(p.owner, p.attr):
+                owner = getattr(p.owner, "__qualname__", None) or getattr(p.owner, "__name__", repr(p.owner))
+                raise UsageError(
+                    f"mutant {m.name!r} ({_where(m.patches)}) patches {owner}.{p.attr}, which does not exist"
+                )
             # A class's own attribute as it is (a staticmethod stays one); an inherited one is
             # shadowed for the block, then uncovered again.
             own = vars(p.owner).get(p.attr, _INHERITED) if isinstance(p.owner, type) else getattr(p.owner, p.attr)
-            saved.append((p.owner, p.attr, own))
+            saved.append(_Patched(p.owner, p.attr, own, p.value))
             setattr(p.owner, p.attr, p.value)
+        _APPLIED[m.name] = saved
         yield
     finally:
-        for owner, attr, value in reversed(saved):
-            if value is _INHERITED:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, value)
+        _APPLIED.pop(m.name, None)
+        _undo(saved)
+
+
+@contextmanager
+def lifted(m: Mutant | None) -> Iterator[None]:
+    """The runtime without ``m`` for the block: the patches :func:`applied` made around it are
+    undone, then made again."""
+    saved = _APPLIED.get(m.name, []) if m is not None else []
+    _undo(saved)
+    try:
+        yield
+    finally:
+        for patched in saved:
+            setattr(patched.owner, patched.attr, patched.value)
+
+
+@dataclass(frozen=True)
+class _Patched:
+    """An attribute a mutant's patch replaced: what it was, and what it is while patched."""
+
+    owner: object
+    attr: str
+    original: object
+    value: object
+
+
+#: The patches of the mutants applied now, by name.
+_APPLIED: dict[str, list[_Patched]] = {}
+
+
+def _undo(saved: list[_Patched]) -> None:
+    for patched in reversed(saved):
+        if patched.original is _INHERITED:
+            delattr(patched.owner, patched.attr)
+        else:
+            setattr(patched.owner, patched.attr, patched.original)
 
 
 #: Stands for a class attribute a patch shadowed that the class itself did not define.
@@ -291,32 +341,72 @@ _INHERITED = object()
 
 
 def load_plugin(spec: str) -> ModuleType:
-    """Import a plugin by module name or by the path of a ``.py`` file."""
+    """Import a plugin by module name or by the path of a ``.py`` file.
+
+    A file is imported under the name pytest gives it (its stem, below the packages its folders
+    make), with the folder above those packages on the import path: a test file that imports the
+    plugin by name, or its package's other modules, then finds the one module already imported,
+    not a second copy that would register everything again."""
     try:
         if spec.endswith(".py") or os.sep in spec:
             path = os.path.abspath(spec)
             if not os.path.isfile(path):
                 raise UsageError(f"plugin file {spec!r} does not exist")
-            mod_name = f"omnisim_plugin_{abs(hash(path)) & 0xFFFFFFFF:x}"
-            if mod_name in sys.modules:
-                return sys.modules[mod_name]
-            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-            assert loader_spec is not None and loader_spec.loader is not None
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[mod_name] = module
-            # Its own folder first, as when it ran as a script or a test: it may import its neighbours.
-            sys.path.insert(0, os.path.dirname(path))
-            try:
-                loader_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[mod_name]
-                raise
-            finally:
-                sys.path.remove(os.path.dirname(path))
-            return module
+            return _load_file(path)
         return importlib.import_module(spec)
-    except ImportError as e:  # (a relative import, too: a plugin file is loaded on its own, not in its package)
+    except UsageError:
+        raise
+    except ImportError as e:
         raise UsageError(f"cannot load plugin {spec!r}: {e}") from e
+    except Exception as e:  # (its own code raised as it was imported: the plugin's error, not omnisim's)
+        raise UsageError(f"cannot load plugin {spec!r}: {type(e).__name__}: {e}") from e
+
+
+def _load_file(path: str) -> ModuleType:
+    root, name = os.path.dirname(path), os.path.splitext(os.path.basename(path))[0]
+    while os.path.isfile(os.path.join(root, "__init__.py")):
+        root, name = os.path.dirname(root), f"{os.path.basename(root)}.{name}"
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", None) or "") == path:
+        return loaded
+    top = name.split(".")[0]
+    if loaded is not None or (top != name and top in sys.modules and not _is_package_in(sys.modules[top], root)):
+        # The name, or its package's, is another module's (one of omnisim's, or of the user's
+        # elsewhere): the file is loaded under a name of its own.
+        return _load_file_as(_own_name(path), path)
+    if root not in sys.path:
+        sys.path.insert(0, root)  # (kept: the plugin may import its neighbours when it runs)
+    module = importlib.import_module(name)
+    if os.path.abspath(getattr(module, "__file__", None) or "") != path:  # (a module of that name came first)
+        return _load_file_as(_own_name(path), path)
+    return module
+
+
+def _is_package_in(package: ModuleType, root: str) -> bool:
+    return os.path.join(root, package.__name__) in map(os.path.abspath, getattr(package, "__path__", []))
+
+
+def _own_name(path: str) -> str:
+    return f"omnisim_plugin_{abs(hash(path)) & 0xFFFFFFFF:x}"
+
+
+def _load_file_as(name: str, path: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    # Its own folder first, as when it ran as a script or a test: it may import its neighbours.
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
 
 
 def load(plugins: list[str] | None = None) -> None:

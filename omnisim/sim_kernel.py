@@ -84,8 +84,15 @@ def _interrupt_in(e: BaseException) -> BaseException | None:
     return e if isinstance(e, (KeyboardInterrupt, SystemExit)) else None
 
 
-def _split_crash(e: BaseException) -> tuple[Exception | None, BaseException | None]:
-    return (e, None) if isinstance(e, Exception) else (None, e)
+#: What a task of the code under test dies of: an exception, or an exit it asked for (in a real
+#: process, ``sys.exit`` in a task ends the process: a crash all the same).
+_CRASHES = (Exception, SystemExit)
+
+
+def _split_crash(e: BaseException) -> tuple[BaseException | None, BaseException | None]:
+    if isinstance(e, BaseExceptionGroup):
+        return e.split(_CRASHES)
+    return (e, None) if isinstance(e, _CRASHES) else (None, e)
 
 
 def _only_cancelled(e: BaseException) -> bool:
@@ -434,11 +441,11 @@ class SimKernel:
                     self._stop("interrupted", f"{task.name} was interrupted while it was unwound")
                     raise interrupt from None
                 return
-            # An exception of the code under test is a crash: it is recorded and the world goes
-            # on (as a dying thread would leave the rest running). Anything else — the world's
-            # own cancellation, a KeyboardInterrupt, SystemExit — is not the runtime's doing:
-            # it stops the world and goes on up to whoever runs it.
-            crash, rest = e.split(Exception) if isinstance(e, BaseExceptionGroup) else _split_crash(e)
+            # An exception of the code under test (or its SystemExit) is a crash: it is recorded
+            # and the world goes on (as a dying thread would leave the rest running). Anything
+            # else — the world's own cancellation, a KeyboardInterrupt — is not the runtime's
+            # doing: it stops the world and goes on up to whoever runs it.
+            crash, rest = _split_crash(e)
             if crash is not None:
                 self.crashes.append((task.name, "".join(traceback.format_exception(crash)).strip()))
                 self._emit(task, "kernel.crash", {"error": type(crash).__name__})

@@ -55,7 +55,7 @@ class _Unchecked:
     expect=("bad-input-refused",),
 )
 def handle_names_the_file_only() -> Iterator[Patch]:
-    yield Patch(shm, "_holds", lambda segment, put: isinstance(put, tuple) and segment.identity == put[0])
+    yield Patch(shm, "_holds", lambda segment, put: not put.on_ring and segment.identity == put.file)
 
 
 @mutant(

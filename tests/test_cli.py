@@ -373,18 +373,122 @@ PLUGIN = textwrap.dedent(
 
 @pytest.fixture
 def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The plugin file; whatever it registers goes into copies of the global registries, so it
-    is gone after the test (and registering it again in another test cannot clash)."""
+    """The plugin file; whatever it registers goes into copies of the global registries, and
+    the modules it loads and the import path it extends are forgotten, so it is gone after the
+    test (and registering it again in another test cannot clash)."""
+    import invariants
+
     path = tmp_path / "third_party_plugin.py"
     path.write_text(PLUGIN)
     registry.load()
     monkeypatch.setattr(registry, "SCENARIOS", dict(registry.SCENARIOS))
     monkeypatch.setattr(registry, "MUTANTS", dict(registry.MUTANTS))
+    monkeypatch.setattr(invariants, "INVARIANTS", dict(invariants.INVARIANTS))
+    monkeypatch.setattr(sys, "path", list(sys.path))
     before = set(sys.modules)
     yield str(path)
     for name in set(sys.modules) - before:
-        if name.startswith("omnisim_plugin_"):
+        if name.startswith("omnisim_plugin_") or str(getattr(sys.modules[name], "__file__", "")).startswith(
+            str(tmp_path)
+        ):
             del sys.modules[name]
+
+
+def test_a_plugin_that_another_plugin_imports_is_loaded_once(
+    capsys: pytest.CaptureFixture[str], plugin: str, tmp_path: Path
+) -> None:
+    """A test file that imports the plugin by name, both named by an artifact: the plugin is
+    one module, not two that each register its scenario (found by an outside audit: "registered
+    twice", and the printed replay command failed)."""
+    (tmp_path / "its_test.py").write_text("import third_party_plugin  # noqa: F401\n")
+    code, out, err = omnisim(capsys, "list", "scenarios", "--plugin", plugin, "--plugin", str(tmp_path / "its_test.py"))
+    assert code == 0, err
+    assert "clitest_plugin_edge_roundtrip" in out
+
+
+def test_a_plugin_in_a_package_imports_its_neighbours_by_the_package_s_name(
+    capsys: pytest.CaptureFixture[str], plugin: str, tmp_path: Path
+) -> None:
+    package = tmp_path / "omnisim_user_pkg" / "checks"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "names.py").write_text('SCENARIO = "clitest_packaged_scenario"\n')
+    (package / "test_it.py").write_text(
+        PLUGIN.replace(
+            'SCENARIO = "clitest_plugin_edge_roundtrip"', "from omnisim_user_pkg.checks.names import SCENARIO"
+        ).replace('"clitest_plugin_forgetful_receiver"', '"clitest_packaged_mutant"')
+    )
+    code, out, err = omnisim(capsys, "list", "scenarios", "--plugin", str(package / "test_it.py"))
+    assert code == 0, err
+    assert "clitest_packaged_scenario" in out
+
+
+#: Plugins that are wrong in one way each, and what the command line must say of them (exit 2,
+#: never an internal error of omnisim's, found by an outside audit).
+BAD_PLUGINS = {
+    "a mutant patching what does not exist": (
+        PLUGIN.replace('"cleanup_receiver", cleanup_receiver', '"cleanup_receiverr", cleanup_receiver'),
+        ["explore", "clitest_plugin_edge_roundtrip", "--mutant", "clitest_plugin_forgetful_receiver"],
+        "patches ChunkTransferAdapter.cleanup_receiverr, which does not exist",
+    ),
+    "a checker that raises": (
+        PLUGIN.replace("build=edge_world)", "build=edge_world, invariants=('clitest-raises',))")
+        + "\nfrom invariants import invariant\n\n@invariant('clitest-raises', 'raises')\ndef raises(world):\n"
+        "    raise RuntimeError('checker bug')\n",
+        ["run", "clitest_plugin_edge_roundtrip"],
+        "the checker of invariant 'clitest-raises' (",
+    ),
+    "a build that raises": (
+        PLUGIN.replace("build=edge_world)", "build=lambda store: {}['bad build'])"),
+        ["run", "clitest_plugin_edge_roundtrip"],
+        "its build (",
+    ),
+    "a syntax error": (PLUGIN + "\ndef broken(:\n", ["list", "scenarios"], "cannot load plugin"),
+    "an import that raises": (
+        PLUGIN + "\nraise RuntimeError('plugin import bug')\n",
+        ["list", "scenarios"],
+        "plugin import bug",
+    ),
+    "an invariant under a taken id": (
+        PLUGIN + "\nfrom invariants import invariant\n\n@invariant('no-tombstones', 'mine')\ndef mine(world):\n"
+        "    return []\n",
+        ["list", "scenarios"],
+        "invariant 'no-tombstones' is registered twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLUGINS))
+def test_a_wrong_plugin_is_a_usage_error_naming_what_is_wrong(
+    capsys: pytest.CaptureFixture[str], plugin: str, case: str
+) -> None:
+    text, argv, message = BAD_PLUGINS[case]
+    Path(plugin).write_text(text)
+    code, _, err = omnisim(capsys, *argv, "--plugin", plugin)
+    assert code == 2 and message in err, err
+
+
+def test_a_find_the_runtime_without_the_mutant_makes_too_is_no_detection(
+    capsys: pytest.CaptureFixture[str], plugin: str
+) -> None:
+    """A scenario that fails on its own (here: its body raises) fails the same with a mutant that
+    changes nothing: that is the scenario's failure, never the mutant's detection."""
+    Path(plugin).write_text(
+        PLUGIN.replace('await serve(EdgeRequest(world, "P"), [2, 1])', "raise SystemExit(3)").replace(
+            'expect=("no-tombstones",)', 'expect=("no-crash",)'
+        )
+    )
+    argv = ["explore", "clitest_plugin_edge_roundtrip", "--plugin", plugin, "--budget", "3", "--no-shrink"]
+    code, out, err = omnisim(capsys, *argv, "--json")
+    assert code == 1, err  # (a SystemExit in a simulated task is a crash: the world goes on)
+    assert {v["invariant"] for v in last_json(out)["violations"][0]["violations"]} == {"no-crash"}
+    code, out, err = omnisim(capsys, *argv, "--mutant", "clitest_plugin_forgetful_receiver", "--json")
+    payload = last_json(out)
+    assert payload["first_violation_after"] is None, payload
+    assert payload["violations"][0]["clean_too"] == ["no-crash"]
+    code, out, err = omnisim(capsys, *argv, "--mutant", "clitest_plugin_forgetful_receiver")
+    assert "BROKEN: the runtime without the mutant trips no-crash too" in out, out
 
 
 def test_plugin_registers_scenario_and_mutant(capsys: pytest.CaptureFixture[str], plugin: str, tmp_path: Path) -> None:

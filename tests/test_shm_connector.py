@@ -20,7 +20,7 @@ import runtime.connectors.shm as shm_module
 from runtime.connectors.base import CorruptChunk
 from runtime.connectors.keys import InvalidKeyError
 from runtime.connectors.posix_store import PosixStore
-from runtime.connectors.ring import RingSettings
+from runtime.connectors.ring import Ring, RingSettings, edge_name
 from runtime.connectors.shm import PUT_REAP_BUDGET, REAP_BUDGET, ShmConnector
 from runtime.connectors.stores import SPARE_MIN_BYTES, MemoryStore, Store, StoreError
 from runtime.connectors.wire import BufferIO, EncodedFrame, WireDecodeError, encode
@@ -147,6 +147,27 @@ async def test_the_handle_of_a_consumed_put_never_finds_a_later_put_in_its_reuse
     got = await conn.get("0", "1", "R_2_0", second)
     assert got is not None and bool(got[0].eq(1).all())
     await conn.close()
+    assert residue(store) == ([], [])
+
+
+async def test_the_handle_of_a_ring_frame_never_finds_a_later_ring_s_frame_at_its_position(store: Store) -> None:
+    """A ring made again for an edge (its predecessor retired) numbers its frames from the start:
+    a handle names the ring's file as well as the frame's position, so a read put's handle finds
+    nothing when a later put of its key lands at the same position of the new ring."""
+    producer, consumer = ShmConnector(store, send_ring=RingSettings()), ShmConnector(store, receive_ring=True)
+    first = (await producer.put("0", "1", "R_3_0", "first")).metadata
+    assert await consumer.get("0", "1", "R_3_0", first) == ("first", first["size"])
+    ring = Ring.attach(store.open_ring(edge_name("0", "1")))  # type: ignore[arg-type]
+    assert ring is not None
+    ring.retire()  # (what a reader that found it corrupt does)
+    ring.close()
+    later = (await producer.put("0", "1", "R_3_0", "later")).metadata
+    assert later["shm"]["frame"][2] == first["shm"]["frame"][2]  # (the same position, in another ring)
+    assert later["shm"]["frame"][:2] != first["shm"]["frame"][:2]
+    assert await consumer.get("0", "1", "R_3_0", first) is None
+    assert await consumer.get("0", "1", "R_3_0", later) == ("later", later["size"])
+    await producer.close()
+    await consumer.close()
     assert residue(store) == ([], [])
 
 

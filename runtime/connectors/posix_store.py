@@ -307,6 +307,8 @@ class _PosixRing:
         gives what uncounts it."""
         self._fd = fd
         self._held = False
+        st = os.fstat(fd)
+        self.identity: SegmentId = (st.st_dev, st.st_ino)
         self._map: mmap.mmap | None = mmap.mmap(fd, size)
         self._view: memoryview | None = memoryview(self._map)
         self._on_close = count()

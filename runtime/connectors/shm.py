@@ -31,6 +31,7 @@ failure with its cause and leaves nothing behind; a get never loses a payload it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import OrderedDict
@@ -83,9 +84,20 @@ class ConnectorClosed(StoreError):
     """A put on a connector that is closed, or was closed before the put ended."""
 
 
-#: Which put's payload a handle names: the segment file it wrote and its frame's generation there
-#: (a later put may reuse the file), or its ring frame's position.
-PutId = tuple[SegmentId, int] | int
+@dataclasses.dataclass(frozen=True)
+class PutId:
+    """Which put's payload a handle names: the file it went to (a segment, or its edge's ring)
+    and its frame there (the frame's generation in the segment, its position on the ring). A
+    later put may reuse the file (a consumed segment kept as a spare, a ring), never the pair."""
+
+    on_ring: bool
+    file: SegmentId
+    frame: int
+
+    def handle(self) -> dict[str, list[int]]:
+        """How a put's handle names it: ``"file"`` (a segment) or ``"frame"`` (a ring), each
+        ``[device, inode, frame]``."""
+        return {"frame" if self.on_ring else "file": [*self.file, self.frame]}
 
 
 def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
@@ -93,8 +105,8 @@ def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
 
     Metadata keyed by ``get_key`` is unwrapped; a put's handle (``{"shm": {"name": key}}``) names
     the key, and the segment frame or ring frame that put made (a handle of an older put of the
-    key finds nothing: its payload was consumed or replaced); anything else, a handle naming no valid key
-    included, falls back to ``get_key``."""
+    key finds nothing: its payload was consumed or replaced); anything else, a handle naming no
+    valid key included, falls back to ``get_key``."""
     if isinstance(metadata, dict) and isinstance(get_key, str) and get_key in metadata:
         metadata = metadata[get_key]
     shm = metadata.get("shm") if isinstance(metadata, dict) else None
@@ -104,19 +116,20 @@ def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
         key = validate_key(shm["name"])
     except InvalidKeyError:
         return get_key, None
-    file, frame = shm.get("file"), shm.get("frame")
-    if isinstance(file, list) and len(file) == 3 and all(isinstance(n, int) for n in file):
-        return key, ((file[0], file[1]), file[2])
-    return key, frame if isinstance(frame, int) and not isinstance(frame, bool) else None
+    for kind in ("file", "frame"):
+        named = shm.get(kind)
+        if isinstance(named, list) and len(named) == 3 and all(type(n) is int for n in named):
+            return key, PutId(kind == "frame", (named[0], named[1]), named[2])
+    return key, None
 
 
 def _holds(segment: Segment, put: PutId) -> bool:
     """Whether ``segment`` holds the frame of the put ``put`` names (not a later put's frame in
     the same file, a spare reused; a trailer that cannot be read names no put)."""
-    if not isinstance(put, tuple) or segment.identity != put[0]:
+    if put.on_ring or segment.identity != put.file:
         return False
     try:
-        return committed_generation(segment) == put[1]
+        return committed_generation(segment) == put.frame
     except WireDecodeError:
         return False
 
@@ -200,11 +213,10 @@ class ShmConnector:
             frame = EncodedFrame(data)
             await self._take_turn(put_key)
             try:
-                on_ring = await self._put_on_ring(from_stage, to_stage, put_key, frame)
-                written: PutId | None = None
-                if not on_ring:
+                placed = await self._put_on_ring(from_stage, to_stage, put_key, frame)
+                if placed is None:
                     try:
-                        written = await self._write_locked(put_key, frame)
+                        placed = await self._write_locked(put_key, frame)
                     except (StoreError, WireEncodeError):
                         raise  # (a failure it reports: it left nothing)
                     except BaseException:
@@ -213,7 +225,7 @@ class ShmConnector:
                         # removes it if no exact cleanup does.
                         self._pending_keys.setdefault(put_key, None)
                         raise
-                self._pending_keys[put_key] = written[0] if written is not None else None
+                self._pending_keys[put_key] = None if placed.on_ring else placed.file
                 self._failed_cleanups.pop(put_key, None)  # (what a failed cleanup left, this put replaced)
             finally:
                 self._putting.discard(put_key)
@@ -230,15 +242,10 @@ class ShmConnector:
             k.note("shm.put.wake", key=put_key, to=to_stage)
             self._wakeups.notify(to_stage)
         self._puts += 1
-        self._ring_puts += on_ring
+        self._ring_puts += placed.on_ring
         self._bytes += frame.size
         await k.point("shm.put.end", key=put_key)
-        handle: dict[str, Any] = {"name": put_key, "size": frame.size}
-        if written is not None:
-            (device, inode), generation = written
-            handle["file"] = [device, inode, generation]
-        elif put_key in self._ring_keys:
-            handle["frame"] = self._ring_keys[put_key][1]
+        handle = {"name": put_key, "size": frame.size, **placed.handle()}
         return PutResult(True, frame.size, {"shm": handle, "size": frame.size})
 
     async def _take_turn(self, key: str) -> None:
@@ -256,11 +263,11 @@ class ShmConnector:
             raise LockTimeout(f"another put of {key!r} stayed in flight for more than {self.lock_timeout_s:g}s")
         self._putting.add(key)
 
-    async def _put_on_ring(self, from_stage: str, to_stage: str, key: str, frame: EncodedFrame) -> bool:
-        """Put ``frame`` on the edge's ring; False if it goes to a segment instead (no ring, too
-        large, the key's unread payload is in a segment, or the ring stayed full or held).
-        Either way the key's unread ring frame, if any, is cancelled first: the new payload
-        replaces it."""
+    async def _put_on_ring(self, from_stage: str, to_stage: str, key: str, frame: EncodedFrame) -> PutId | None:
+        """Put ``frame`` on the edge's ring: where it went (a cleanup may cancel it meanwhile); None
+        if it goes to a segment instead (no ring, too large, the key's unread payload is in a
+        segment, or the ring stayed full or held). Either way the key's unread ring frame, if any,
+        is cancelled first: the new payload replaces it."""
         k = current_kernel()
         # Where the key's unread payload is must be asked before its ring frame is cancelled:
         # cancelling forgets the frame, and the key would then look as if it were in a segment.
@@ -269,7 +276,7 @@ class ShmConnector:
         settings = self.send_ring
         ring = self._send_ring(from_stage, to_stage) if settings is not None else None
         if ring is None or settings is None or in_segment or frame.size > settings.max_payload:
-            return False
+            return None
         await k.point("shm.put.locked", key=key)
         edge = rings.edge_name(from_stage, to_stage)
         deadline = k.now() + settings.full_wait_s
@@ -284,7 +291,7 @@ class ShmConnector:
                         reserved = ring.reserve(key, frame.size)
                     except rings.RingCorrupt as e:
                         self._retire_corrupt(ring, edge, e)
-                        return False
+                        return None
                     if reserved is None:
                         ring.want_room()
             if reserved is None:
@@ -293,7 +300,7 @@ class ShmConnector:
                     # What the harness checks the decision against: the frame, and whether the
                     # ring was full (its last look) or held by a reader.
                     k.note("ring.full", key=key, edge=edge, bytes=frame.size, held=held)
-                    return False
+                    return None
                 # At least one back-off step: a remainder of a few ulps would never let time move.
                 if not await self._wait_for_room(edge, room, max(deadline - k.now(), rings.LOCK_RETRY_S)):
                     k.note("ring.room_wait_timed_out", key=key, edge=edge, bytes=frame.size)
@@ -323,7 +330,7 @@ class ShmConnector:
             # release it), so a put waiting for room is told now, not at its deadline.
             self._ring_keys.pop(key, None)
             self._release_if_free(ring, edge)
-        return True
+        return PutId(True, ring.memory.identity, reserved.pos)
 
     async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> bool:
         """Until a reader of ``edge``'s ring released space (or ``timeout``); without wakeups,
@@ -476,9 +483,8 @@ class ShmConnector:
         if ring.room_was_wanted() and self._wakeups is not None:
             self._wakeups.notify(rings.room_channel(edge))
 
-    async def _write_locked(self, key: str, frame: EncodedFrame) -> tuple[SegmentId, int]:
-        """Write ``frame`` to a new segment of ``key``; which segment it is, and the generation of
-        the frame in it."""
+    async def _write_locked(self, key: str, frame: EncodedFrame) -> PutId:
+        """Write ``frame`` to a new segment of ``key``; where it went."""
         # The lock file is taken *before* the segment exists and released only once the frame is
         # committed, so a non-blocking reader never finds a writer at work; and the commit
         # trailer goes last, so a reader after a writer that died mid-frame finds no commit.
@@ -497,7 +503,7 @@ class ShmConnector:
             await k.point("shm.put.written", key=key)
             frame.commit(created, checksum, created.generation)
             await k.point("shm.put.committed", key=key)
-            return created.identity, created.generation
+            return PutId(False, created.identity, created.generation)
         except StoreError:
             self._roll_back(key, created=segment is not None)
             raise
@@ -600,7 +606,7 @@ class ShmConnector:
                 async with locked(ring.memory, wait_s=rings.LOCK_WAIT_S, key=key):
                     frame = ring.find(key)
                     if frame is not None:
-                        if put is not None and put != frame.pos:
+                        if put is not None and put != PutId(True, ring.memory.identity, frame.pos):
                             return None  # the key's payload now is a later put's
                         return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
             except rings.RingBusy:

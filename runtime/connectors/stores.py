@@ -136,6 +136,11 @@ class RingMemory(Protocol):
         ...
 
     @property
+    def identity(self) -> SegmentId:
+        """Which file this is (a ring made again under the same name is another)."""
+        ...
+
+    @property
     def closed(self) -> bool: ...
 
     def try_lock(self) -> bool: ...
@@ -333,8 +338,9 @@ class _MemSegment(_MemReader):
 
 
 class _RingInode:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, identity: SegmentId) -> None:
         self.data = bytearray(capacity)
+        self.identity = identity
         self.held = False
 
 
@@ -351,6 +357,10 @@ class _MemRing:
     def view(self) -> memoryview:
         assert self._view is not None, "the ring was closed"
         return self._view
+
+    @property
+    def identity(self) -> SegmentId:
+        return self._inode.identity
 
     @property
     def closed(self) -> bool:
@@ -572,7 +582,7 @@ class MemoryStore:
         self._name_made(edge)
         if not self._make_room(capacity):
             raise StoreFull(edge, capacity)
-        inode = self._rings[edge] = _RingInode(capacity)
+        inode = self._rings[edge] = _RingInode(capacity, (0, next(self._inode_numbers)))
         return _MemRing(inode, self._opened(f"ring {edge}", inode))
 
     def open_ring(self, edge: str) -> _MemRing | None:
