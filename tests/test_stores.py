@@ -27,7 +27,7 @@ from runtime.connectors.stores import (
     choose_spare,
 )
 from runtime.connectors.wakeup import FifoWakeups
-from runtime.connectors.wire import WireDecodeError, decode, encode
+from runtime.connectors.wire import EncodedFrame, WireDecodeError, decode, encode
 
 
 @pytest.fixture(params=["memory", "posix"])
@@ -145,6 +145,33 @@ def test_a_segment_made_of_a_spare_is_another_segment(spare_store: Store) -> Non
     assert spare_store.unlink_segment("R_1_0", only=empty) is False
     assert spare_store.unlink_segment("R_1_0", only=before.identity) is True
     before.close()
+
+
+def test_a_spare_reused_is_the_same_file_and_its_frames_count_on(spare_store: Store) -> None:
+    """A spare renamed onto a key keeps its identity (as a tmpfs rename keeps the inode), so the
+    generation its next frame commits, one more than its last frame's, is what tells the frames
+    apart. A frame that lost its commit trailer starts the count again."""
+    frames = []
+    for i in range(3):
+        made = spare_store.create_segment("R_1_0")
+        frame = EncodedFrame(bytes(300 + i))
+        made.reserve(frame.size)
+        frame.write_body(made)
+        frame.commit(made, frame.checksum(made.generation), made.generation)
+        frames.append((made.identity, made.generation))
+        made.close()
+        spare_store.retire_segment("R_1_0")
+    assert [identity for identity, _ in frames] == [frames[0][0]] * 3
+    assert [generation for _, generation in frames] == [0, 1, 2]
+    made = spare_store.create_segment("R_1_0")
+    made.reserve(300)  # (its trailer zeroed when taken: never committed again)
+    assert made.generation == 3
+    made.close()
+    spare_store.retire_segment("R_1_0")
+    again = spare_store.create_segment("R_1_0")
+    again.reserve(300)
+    assert (again.identity, again.generation) == (frames[0][0], 0)
+    again.close()
 
 
 def test_open_missing_returns_none(store: Store) -> None:

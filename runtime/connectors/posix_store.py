@@ -203,12 +203,11 @@ class _PosixSegment:
         return self._identity
 
     def reserve(self, size: int) -> None:
-        spare, generation = self._store._take_spare(self._key, self._fd, size) if self._store is not None else (None, 0)
+        spare = self._store._take_spare(self._key, self._fd, size) if self._store is not None else None
         if spare is not None:
             os.close(self._fd)  # the empty segment it replaced under the key's name
-            self._fd = spare
+            self._fd, self.generation = spare
             self._identity = None
-            self.generation = generation
             self.size = size
             return
 
@@ -420,14 +419,14 @@ class PosixStore:
                 fd = self.with_room(lambda: _create(path))
         return _PosixSegment(key, fd, 0, self.handles.opened(f"segment {key}"), self)
 
-    def _take_spare(self, key: str, created: int, size: int) -> tuple[int | None, int]:
+    def _take_spare(self, key: str, created: int, size: int) -> tuple[int, int] | None:
         """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
         all backed, its commit trailer zeroed, then renamed onto the key's name: its descriptor,
-        and the generation of its next frame. None for the descriptor if there is no spare to
-        take, or the new segment lost its name meanwhile (a cleanup removed it: the put writes
-        into nothing, as it would have)."""
+        and the generation of its next frame. None if there is no spare to take, or the new
+        segment lost its name meanwhile (a cleanup removed it: the put writes into nothing, as it
+        would have)."""
         if size < self.spare_min_bytes:
-            return None, 0
+            return None
         sizes = {}
         for name in self.spares():
             with contextlib.suppress(FileNotFoundError):
@@ -437,14 +436,14 @@ class PosixStore:
         name = choose_spare(sizes, size)
         with _translated("reuse a spare for segment", key):
             if name is None or not _names_file(self.segment_path(key), created):
-                return None, 0
+                return None
         # Only this process renames or removes a spare of its namespace, and no one replaces one:
         # the name opened here is the one renamed below.
         with _translated("reuse a spare for segment", key):
             try:
                 fd = os.open(self._spare_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
-                return None, 0
+                return None
         try:
             _check_ours(fd, key, "spare segment")
             held = sizes[name]
@@ -459,7 +458,7 @@ class PosixStore:
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
-                return None, 0  # too small to grow here: the put makes room as for a fresh segment
+                return None  # too small to grow here: the put makes room as for a fresh segment
             if isinstance(e, OSError):
                 raise _reservation_error("reuse a spare for segment", key, size, e) from None
             raise

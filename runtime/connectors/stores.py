@@ -321,7 +321,7 @@ class _MemSegment(_MemReader):
         self.generation = 0
 
     def reserve(self, size: int) -> None:
-        spare, generation = self._store._take_spare(self._key, self._data, size)
+        spare = self._store._take_spare(self._key, self._data, size)
         if spare is None and not self._store._make_room(size):
             raise StoreFull(self._key, size)
         self._view.release()  # a bytearray cannot grow while a view of it is held
@@ -330,10 +330,9 @@ class _MemSegment(_MemReader):
         else:
             # The spare is open now, and the empty file it replaced under the key's name is closed.
             self._on_close()
-            self._on_close = self._store._opened(f"segment {self._key}", spare)
-            self._data = spare
+            self._data, self.generation = spare
+            self._on_close = self._store._opened(f"segment {self._key}", self._data)
             self.identity = self._store._identities[self._key]
-            self.generation = generation
         self._view = memoryview(self._data).cast("B")
 
 
@@ -417,10 +416,9 @@ class MemoryStore:
         #: spare renamed onto a key keeps its own).
         self._identities: dict[str, SegmentId] = {}
         self._inode_numbers = itertools.count(1)
-        #: Spares by name: the key each carried last.
-        self._spares: dict[str, bytearray] = {}
-        #: Which file each spare is (a rename keeps it).
-        self._spare_identities: dict[str, SegmentId] = {}
+        #: Spares by name (the key each carried last): the file, and which file it is (a rename
+        #: keeps that).
+        self._spares: dict[str, tuple[bytearray, SegmentId]] = {}
         self._locks: dict[str, _LockInode] = {}
         self._rings: dict[str, _RingInode] = {}
         self.handles = OpenHandles()
@@ -428,7 +426,8 @@ class MemoryStore:
         self._open_files: dict[int, tuple[object, int]] = {}
 
     def used(self) -> int:
-        files = itertools.chain(self._segments.values(), self._spares.values(), self._rings.values(), self._unnamed())
+        spares = (data for data, _ in self._spares.values())
+        files = itertools.chain(self._segments.values(), spares, self._rings.values(), self._unnamed())
         owner = len(self._owner.to_json()) if self._owner is not None else 0
         return sum(self._pages(_bytes_of(f)) for f in files) + self._pages(owner)
 
@@ -455,7 +454,7 @@ class MemoryStore:
 
     def _unnamed(self) -> list[object]:
         """The open files whose names were removed: each still holds its room."""
-        named = {id(f) for f in (*self._segments.values(), *self._spares.values())}
+        named = {id(f) for f in (*self._segments.values(), *(data for data, _ in self._spares.values()))}
         named |= {id(f) for f in (*self._locks.values(), *self._rings.values())}
         return [f for i, (f, _) in self._open_files.items() if i not in named]
 
@@ -514,33 +513,32 @@ class MemoryStore:
         # until the key's is gone, so with no name left the segment goes, unkept)
         has_name = self.max_names is None or self.names_used() + 1 < self.max_names
         kept = len(data) >= self.spare_min_bytes and len(self._spares) < SPARES_KEPT and has_name
-        if kept and key not in self._spares:
-            self._spares[key] = data
-            self._spare_identities[key] = identity
+        if kept:
+            self._spares.setdefault(key, (data, identity))
         return True
 
-    def _take_spare(self, key: str, created: bytearray, size: int) -> tuple[bytearray | None, int]:
+    def _take_spare(self, key: str, created: bytearray, size: int) -> tuple[bytearray, int] | None:
         """What a reserve does with a spare in /dev/shm (see ``PosixStore._take_spare``): resize
         it, zero its commit trailer, rename it onto ``key``'s new segment ``created`` — unless
         that segment lost its name meanwhile (a cleanup: the put then writes into nothing, as it
         would have). The spare's old bytes stay where the new frame does not overwrite them, as
-        in a real segment, and it stays the same file. The spare and its next generation, or
-        (None, 0)."""
+        in a real segment, and it stays the same file. The spare and its next generation; None if
+        there is none to take."""
         if size < self.spare_min_bytes or self._segments.get(key) is not created:
-            return None, 0
-        name = choose_spare({n: len(d) for n, d in self._spares.items()}, size)
+            return None
+        name = choose_spare({n: len(d) for n, (d, _) in self._spares.items()}, size)
         if name is None:
-            return None, 0
-        old = self._spares[name]
+            return None
+        old, identity = self._spares[name]
         if self.capacity is not None and self.used() + self._pages(size) - self._pages(len(old)) > self.capacity:
-            return None, 0  # too small to grow here: the put makes room as for a fresh segment
+            return None  # too small to grow here: the put makes room as for a fresh segment
         generation = next_generation(BufferIO(old))
         data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
         at, zeros = uncommitted_tail(size)
         data[at : at + len(zeros)] = zeros
         del self._spares[name]
         self._segments[key] = data
-        self._identities[key] = self._spare_identities.pop(name)
+        self._identities[key] = identity
         return data, generation
 
     def _make_room(self, size: int) -> bool:
@@ -555,14 +553,12 @@ class MemoryStore:
         """Remove every spare (the store is full: a cache gives way); how many."""
         dropped = len(self._spares)
         self._spares.clear()
-        self._spare_identities.clear()
         return dropped
 
     def spares(self) -> list[str]:
         return sorted(self._spares)
 
     def remove_spare(self, name: str) -> bool:
-        self._spare_identities.pop(name, None)
         return self._spares.pop(name, None) is not None
 
     def open_lock(self, key: str, *, create: bool) -> _MemLock | None:
@@ -615,7 +611,6 @@ class MemoryStore:
         self._segments.clear()
         self._identities.clear()
         self._spares.clear()
-        self._spare_identities.clear()
         self._locks.clear()
         self._rings.clear()
         if self._owner is not None:
