@@ -9,6 +9,7 @@ sends, so a wire format that turns a list into a tuple, drops a key or changes a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -90,7 +91,10 @@ def watch_payloads(connector: ShmConnector, offered: dict[str, set[Hashable]], r
     put, get = connector.put, connector.get
 
     async def watched_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
-        offered.setdefault(put_key, set()).add(fingerprint(as_carried(data)))
+        # (a payload that cannot even be read, an unset field or a broken image, is offered as
+        # nothing: no get may hand out anything for it)
+        with contextlib.suppress(Exception):
+            offered.setdefault(put_key, set()).add(fingerprint(as_carried(data)))
         return await put(from_stage, to_stage, put_key, data)
 
     async def watched_get(

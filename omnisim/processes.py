@@ -28,7 +28,7 @@ from runtime.connectors.namespaces import Owner
 from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.ring import Ring
 from runtime.connectors.stores import LockFile, MemoryStore, RingMemory, Segment, SegmentId, Store
-from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER, encode
+from runtime.connectors.wire import ALIGN, COMMIT_MAGIC, EXT_NDARRAY, EXT_TENSOR, MAGIC, TRAILER, encode, frame_seed
 
 SIM_PID_NAMESPACE = "sim"
 
@@ -326,7 +326,7 @@ def _codes_reference(lie: str, at: int, nbytes: int) -> msgpack.ExtType:
 
 def forge_segment(store: Store, key: str, lie: str = "overlapping") -> None:
     """Replace ``key``'s chunk by a forged frame (see :func:`forged_frame`)."""
-    _rewrite_chunk(store, key, lambda _: forged_frame(lie))
+    _rewrite_chunk(store, key, lambda _: forged_frame(lie, key))
 
 
 def intact_forgery(lie: str) -> object | None:
@@ -336,8 +336,9 @@ def intact_forgery(lie: str) -> object | None:
     return {"not_a_payload": ["codes", 256], "empty_payload": {}}.get(lie)
 
 
-def forged_frame(lie: str = "overlapping") -> bytes:
-    """A frame of codes that were never sent, with a valid trailer and checksum, whose header
+def forged_frame(lie: str = "overlapping", key: str | None = None) -> bytes:
+    """A frame of codes that were never sent, with a valid trailer and checksum (for ``key``),
+    whose header
     lies about its buffers: ``overlapping``, the flags' one-byte buffers lie inside the codes'
     bytes; ``short_buffer``, the codes' buffer holds one value less than their shape needs;
     ``past_the_end``, the codes' buffer runs into the commit trailer; ``negative_offset``, it
@@ -353,7 +354,7 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     head, then each buffer's bytes as its shape needs them, in the header's order."""
     intact = intact_forgery(lie)
     if intact is not None:
-        return encode(intact)
+        return encode(intact, key)
     codes = np.full(_CODES_SHAPE, 256, dtype="<i8").tobytes()  # its first byte is 0: a flag read from it is False
     # Where the codes' and the flags' buffers are, from the start of the buffers; what the body holds there.
     if lie == "overlapping":
@@ -386,7 +387,9 @@ def forged_frame(lie: str = "overlapping") -> bytes:
     # What a reader past the body's end meets first: the trailer's magic and its zero pad.
     whole = body + COMMIT_MAGIC + bytes(4)
     taken = [(base + codes_at, len(codes)), (base + flags_at, 1), (base + flags_at + 1, 1)]
-    checksum = xxhash.xxh3_64_intdigest(prefix + header + b"".join(whole[at : at + n] for at, n in taken))
+    checksum = xxhash.xxh3_64_intdigest(
+        prefix + header + b"".join(whole[at : at + n] for at, n in taken), seed=frame_seed(key, 0)
+    )
     length = len(body) + ALIGN if lie == "trailer_length" else len(body)
     commit = bytes(len(COMMIT_MAGIC)) if lie == "uncommitted" else COMMIT_MAGIC
     return body + TRAILER.pack(commit, 0, checksum, length)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import itertools
 import math
 import re
@@ -69,7 +70,23 @@ LINE_KEY_LENGTHS = (39, 40, 41, 103, 104, 105)
 #: ring (a path, a parent folder): the edge gets no ring, and its chunks go by segments all the same.
 EDGELESS_STAGES = (("a/b", str(CODE2WAV)), (str(TALKER), "../x"))
 
+
 #: Payloads the wire format cannot carry.
+@dataclasses.dataclass
+class _HalfMade:
+    """A dataclass one of whose fields was never set (reading it raises AttributeError)."""
+
+    made: int
+    never_set: int = dataclasses.field(init=False)
+
+
+def _truncated_png() -> Image.Image:
+    """An image whose file ends early: it opens, and reading its pixels raises OSError."""
+    whole = io.BytesIO()
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(whole, "PNG")
+    return Image.open(io.BytesIO(whole.getvalue()[:-40]))
+
+
 BAD_PAYLOADS: dict[str, object] = {
     "an arbitrary object": {"x": object()},
     "a set": {"x": {1, 2}},
@@ -79,6 +96,9 @@ BAD_PAYLOADS: dict[str, object] = {
     "a tensor of a dtype the wire does not carry": {"x": torch.empty(2, dtype=torch.bits8)},
     "an image whose palette would not travel": {"x": Image.new("P", (2, 2))},
     "lists nested past msgpack's recursion limit": {"x": functools.reduce(lambda inner, _: [inner], range(3000), [])},
+    # (found by an outside audit: the put raised what reading them raised)
+    "a dataclass with a field never set": {"x": _HalfMade(1)},
+    "an image whose file ends early": {"x": _truncated_png()},
 }
 
 #: The smallest ring that carries a payload of two lines with the default frame fraction: the

@@ -2,9 +2,9 @@
 
 Every other scenario sends chunks of a few kilobytes, so the code that only large chunks run was
 guarded by nothing: a put that checksums its bytes beside copying them (from
-:data:`runtime.connectors.shm.PARALLEL_CHECKSUM_BYTES`), a get that copies beside checksumming,
-and a decoder that reads a very large buffer into memory of its own that may take huge pages
-(from :data:`runtime.connectors.wire.HUGE_PAGE_BYTES`). Here two requests stream at once, each
+:data:`runtime.connectors.shm.PARALLEL_CHECKSUM_BYTES`), and a decoder that reads a very large
+buffer into memory of its own that may take huge pages (from
+:data:`runtime.connectors.wire.HUGE_PAGE_BYTES`). Here two requests stream at once, each
 chunk carrying, beside its codec frames, the model's hidden states past one of those sizes; each
 must arrive byte for byte (``no-corrupt-accept``), once, with nothing left behind.
 """

@@ -36,7 +36,7 @@ def checksum_not_checked() -> Iterator[Patch]:
 class _Unchecked:
     """A checksum that is always 0: every frame's matches, whatever its bytes (and generation)."""
 
-    def __init__(self, generation: int = 0) -> None:
+    def __init__(self, seed: int = 0) -> None:
         """(Nothing to seed.)"""
 
     def update(self, data: object) -> None:
@@ -164,8 +164,8 @@ def segment_never_closed() -> Iterator[Patch]:
     expect=("failures-have-causes",),
 )
 def checksum_covers_padding() -> Iterator[Patch]:
-    def checksum(self: wire.EncodedFrame) -> int:
-        digest = wire.new_digest()
+    def checksum(self: wire.EncodedFrame, seed: int = 0) -> int:
+        digest = wire.new_digest(seed)
         digest.update(self._head)
         for _, data in self._buffers:
             if data.nbytes:

@@ -6,16 +6,16 @@ young to judge, the names it skipped because they are not ours, the names it cou
 Here a private tmpfs holds what a machine's /dev/shm may hold, made by hand so the truth is
 known: a dead owner's namespace with every kind of name and a folder of FIFOs holding another
 user's file; a live owner's, and an old one of a live owner with pid 1 (a container's first
-process); an ownerless one too young to judge and one old enough to sweep; two
-young ones whose dead owner's record is padded to 4 KiB (read: the largest a record may be) and
-past it (not read: the namespace counts as ownerless), and a young one whose record names pid 0
-(no process: ownerless too); a name of the dead namespace others may read, a symlink, and a name
-that is not omnisim's. While the sweep removes the dead namespace's segment, a consumer that was
-reading it hands it back as a spare (a name the sweep's first look did not see, which its second
-must find). A dry
-run, then a sweep, each through the runtime's own :func:`~runtime.connectors.namespaces.sweep`
-on the real folder; each part of each report is noted beside what it must say
-(``sweep-reports-true``), and so is what the folder holds afterwards.
+process); an ownerless one too young to judge and one old enough to sweep; two young ones whose
+dead owner's record is padded to 4 KiB (read: the largest a record may be) and past it (no record
+the runtime writes: its owner cannot be judged, and the namespace is kept), and a young one whose
+record names pid 0 (no process: a record no owner wrote, kept as well); a name of the dead
+namespace others may read, a symlink, and a name that is not omnisim's. While the sweep removes
+the dead namespace's segment, a consumer that was reading it hands it back as a spare (a name the
+sweep's first look did not see, which its second must find). A dry run, then a sweep, each
+through the runtime's own :func:`~runtime.connectors.namespaces.sweep` on the real folder; each
+part of each report is noted beside what it must say (``sweep-reports-true``), and so is what the
+folder holds afterwards.
 """
 
 from __future__ import annotations
@@ -29,7 +29,15 @@ from omnisim.registry import DEFAULT_INVARIANTS, scenario
 from omnisim.sim_kernel import MAIN_PROCESS
 from omnisim.tmpfs import why_unavailable
 from omnisim.world import Room, World
-from runtime.connectors.namespaces import OWNER_SUFFIX, Owner, ShmDirectory, SweepReport, sweep, write_owner
+from runtime.connectors.namespaces import (
+    OWNER_SUFFIX,
+    RECORD_MAX_BYTES,
+    Owner,
+    ShmDirectory,
+    SweepReport,
+    sweep,
+    write_owner,
+)
 from runtime.kernel import current_kernel
 
 #: The folder's room: a few namespaces' worth of empty names.
@@ -42,7 +50,7 @@ OLD_S = 3600.0
 #: The names the scenario makes (the world's own store, if it has one here, is none of them).
 MADE = re.compile(r"omnisim-(dead|live|init|young|old|full|over|zero)-.*|not-omnisim")
 #: The largest owner record a sweep reads.
-RECORD_MAX = 4096
+RECORD_MAX = RECORD_MAX_BYTES
 #: The names of each namespace of ours, besides its owner record.
 OURS = {
     "dead": ("lock-k", "ring-edge_1_2", "seg-k", "spare-s"),
@@ -122,8 +130,8 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
         + doomed("full", True)
         + doomed("old", False),
         "live": ["init", "live"],
-        "unjudged": [],
-        "young_orphans": ["over", "young", "zero"],
+        "unjudged": ["over", "zero"],
+        "young_orphans": ["young"],
         "foreign": sorted(foreign),
         "errors": [f"{name('dead', 'wake')}: {os.strerror(errno.ENOTEMPTY)}"],
     }

@@ -167,6 +167,39 @@ def test_sweep_reclaims_a_killed_process_and_spares_a_live_one() -> None:
         live.sweep()
 
 
+@pytest.mark.parametrize("record", [b"", b'{"pid": 0}', b"\xff not json"])
+def test_a_sweep_keeps_a_namespace_whose_owner_record_a_stray_write_damaged(record: bytes) -> None:
+    """Owner records are written whole, so one that does not parse was damaged by a stray write:
+    whether its owner lives cannot be told, and the namespace is kept, however old (found by an
+    outside audit: it was swept as ownerless once past the grace period, under a live owner)."""
+    live = PosixStore()
+    try:
+        with open(os.path.join(SHM_DIR, f"omnisim-{live.namespace}-owner"), "wb") as f:
+            f.write(record)
+        report = trio.run(lambda: sweep(ShmDirectory(lambda: time.time() + 3600), ProcTable()))
+        assert live.namespace in report.unjudged
+        assert _names(live.namespace) == [f"omnisim-{live.namespace}-owner"]
+    finally:
+        live.sweep()
+
+
+def test_a_zombie_owner_is_dead() -> None:
+    """A process that died and was not yet waited for holds nothing any more: its namespace is
+    a dead owner's (found by an outside audit: the sweep kept it until its parent waited)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert ProcTable().identity(child.pid) is not None
+        child.kill()
+        deadline = time.monotonic() + 10
+        while ProcTable().identity(child.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with open(f"/proc/{child.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # (still there: not waited for)
+        assert ProcTable().identity(child.pid) is None
+    finally:
+        child.wait()
+
+
 def test_omnisim_sweep_command(tmp_path: Path) -> None:
     dead = _killed_producer(0.05)
     proc = subprocess.run(

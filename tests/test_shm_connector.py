@@ -171,6 +171,23 @@ async def test_the_handle_of_a_ring_frame_never_finds_a_later_ring_s_frame_at_it
     assert residue(store) == ([], [])
 
 
+async def test_a_segment_a_stray_rename_moved_under_another_key_is_refused_there() -> None:
+    """A frame's checksum is seeded with the key it was put under: moved under another key's name
+    by a process outside the protocol, it reads as corrupt there, never as that key's chunk
+    (found by an outside audit: the other key's get handed it out)."""
+    store = PosixStore(spare_min_bytes=1 << 40)
+    try:
+        conn = ShmConnector(store)
+        await put(conn, "R_0_0", {"x": "zero"})
+        await put(conn, "R_1_0", {"x": "one"})
+        os.rename(store.segment_path("R_0_0"), store.segment_path("R_1_0"))
+        with pytest.raises(CorruptChunk, match="checksum mismatch"):
+            await conn.get("0", "1", "R_1_0")
+        await conn.close()
+    finally:
+        store.sweep()
+
+
 async def test_a_connector_used_with_async_with_is_closed_at_the_end(store: Store) -> None:
     async with ShmConnector(store) as conn:
         await put(conn, "W_0_0", {"v": torch.zeros(8)})  # (unread: the close removes it)

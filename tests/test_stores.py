@@ -27,7 +27,7 @@ from runtime.connectors.stores import (
     choose_spare,
 )
 from runtime.connectors.wakeup import FifoWakeups
-from runtime.connectors.wire import EncodedFrame, WireDecodeError, decode, encode
+from runtime.connectors.wire import EncodedFrame, WireDecodeError, decode, encode, frame_seed
 
 
 @pytest.fixture(params=["memory", "posix"])
@@ -157,7 +157,7 @@ def test_a_spare_reused_is_the_same_file_and_its_frames_count_on(spare_store: St
         frame = EncodedFrame(bytes(300 + i))
         made.reserve(frame.size)
         frame.write_body(made)
-        frame.commit(made, frame.checksum(made.generation), made.generation)
+        frame.commit(made, frame.checksum(frame_seed("R_1_0", made.generation)), made.generation)
         frames.append((made.identity, made.generation))
         made.close()
         spare_store.retire_segment("R_1_0")

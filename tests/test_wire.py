@@ -23,11 +23,15 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from omnisim.processes import FORGERIES, forged_frame, intact_forgery
+from omnisim.sim_kernel import SimKernel
+from omnisim.strategies.random import RandomStrategy
+from runtime.connectors.shm import PARALLEL_CHECKSUM_BYTES, ShmConnector
 from runtime.connectors.wire import (
     ALIGN,
     COMMIT_MAGIC,
     HUGE_PAGE_BYTES,
     MAGIC,
+    PIECE,
     TORCH_DTYPES,
     TRAILER,
     BufferIO,
@@ -686,6 +690,41 @@ def test_a_writer_that_died_before_the_commit_leaves_an_undecodable_frame() -> N
         decode(segment)
     frame.commit(BufferIO(segment), frame.checksum())
     assert torch.equal(decode(segment)["codes"]["audio"], torch.arange(1000))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bytes_a_stray_write_changes_while_a_large_frame_is_read_are_never_handed_out(seed: int) -> None:
+    """A process outside the protocol takes no lock: it may write into a segment while a reader
+    copies it out. Here it zeroes every buffer byte once as many pieces were read as the frame
+    has (a whole pass: a checksum of a second read beside the copy would be done, the copy not),
+    under the simulator, whatever order the reader's work takes. The payload handed out is the
+    one put, or a WireDecodeError — never other bytes (found by an outside audit, 32 MiB chunks
+    handed out wrong when the checksum was of a second read of the segment)."""
+    sent = torch.arange(PARALLEL_CHECKSUM_BYTES // 4 + (1 << 18), dtype=torch.int32)  # (the connector's large path)
+    raw = bytearray(encode({"x": sent}))
+    (header_len,) = struct.unpack_from("<I", raw, 4)
+    base = (8 + header_len + ALIGN - 1) // ALIGN * ALIGN
+    pieces = -(-sent.numel() * 4 // PIECE)
+
+    class StrayWrite(BufferIO):
+        reads = 0
+
+        def read_into(self, offset: int, out: np.ndarray) -> None:
+            super().read_into(offset, out)
+            StrayWrite.reads += 1
+            if StrayWrite.reads == pieces:
+                raw[base : -TRAILER.size] = bytes(len(raw) - base - TRAILER.size)
+
+    got: list[object] = []
+
+    async def main() -> None:
+        try:
+            got.append(await ShmConnector._decode(StrayWrite(raw), None))
+        except WireDecodeError as e:
+            got.append(e)
+
+    SimKernel(RandomStrategy(seed)).run(main)
+    assert isinstance(got[0], WireDecodeError) or torch.equal(got[0]["x"], sent)  # type: ignore[index]
 
 
 def test_every_byte_of_a_frame_is_covered() -> None:

@@ -362,7 +362,7 @@ def _reclaim(before: set[str], *, ownerless_too: bool) -> None:
     the harness's own code, folders and what scenarios planted in them included: the runtime's
     removal rightly leaves a folder holding names that are not ours."""
     from omnisim import devshm
-    from runtime.connectors.namespaces import NAME, ProcTable, ShmDirectory, owner_state
+    from runtime.connectors.namespaces import NAME, Owner, ProcTable, ShmDirectory, owner_state
 
     directory = ShmDirectory()
     processes = ProcTable()
@@ -373,7 +373,7 @@ def _reclaim(before: set[str], *, ownerless_too: bool) -> None:
             new.setdefault(match.group(1), []).append(name)
     for namespace, names in new.items():
         owner = directory.read_owner(namespace)
-        gone = owner_state(owner, processes) == "dead" if owner is not None else ownerless_too
+        gone = owner_state(owner, processes) == "dead" if isinstance(owner, Owner) else ownerless_too and owner is None
         if gone:
             for name in names:
                 with contextlib.suppress(OSError):

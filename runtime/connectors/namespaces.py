@@ -9,9 +9,10 @@ owner's names alive (the check upstream's shm ring makes: "producer was replaced
 :func:`sweep` removes every namespace whose owner is dead — segments, lock files, the wakeup
 folder and the owner record — like PostgreSQL removing the dynamic shared memory a dead
 postmaster left. It never touches a namespace whose owner lives, whose owner it cannot judge
-(another pid namespace), or a name that is not ours (another user's, or a symlink); a namespace
-without an owner record is only removed once all its names are older than a grace period (its
-owner may be writing the record right now).
+(another pid namespace, or a record a stray write damaged: records are written whole), or a
+name that is not ours (another user's, or a symlink); a namespace without an owner record is only
+removed once all its names are older than a grace period (its owner may be writing the record
+right now).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ SHM_DIR = "/dev/shm"
 #: ``omnisim-{namespace}-{rest}``; a namespace is 1–24 characters of [a-z0-9].
 NAME = re.compile(r"omnisim-([a-z0-9]{1,24})-(.+)")
 OWNER_SUFFIX = "owner"
+#: The largest owner record (one is a few dozen bytes).
+RECORD_MAX_BYTES = 4096
 #: Names of a namespace without an owner record are left alone until they are this old.
 ORPHAN_GRACE_S = 60.0
 #: The most spare segments (consumed segments kept for the producer's next puts, see
@@ -70,6 +73,13 @@ class Owner:
         return owner if owner.pid > 0 else None
 
 
+@dataclass(frozen=True)
+class DamagedRecord:
+    """An owner record that is there, and ours, but does not say who owns the namespace. Records
+    are written whole (:func:`write_owner`), so only a stray write makes one: whether the owner
+    lives cannot be told, and its namespace is never swept."""
+
+
 class ProcessTable(Protocol):
     """Who is alive: the identity of a live pid, or None."""
 
@@ -92,9 +102,11 @@ class ProcTable:
         # The command name (field 2) may hold spaces and parentheses: split after the last ")".
         fields = raw.rsplit(")", 1)[-1].split()
         try:
-            start_ticks = int(fields[19])  # field 22 of stat(5): starttime
+            state, start_ticks = fields[0], int(fields[19])  # fields 3 and 22 of stat(5)
         except (IndexError, ValueError):
             return None
+        if state in ("Z", "X"):
+            return None  # dead, and not yet waited for: it holds nothing any more
         return Owner(pid, start_ticks, self.pid_namespace())
 
     def pid_namespace(self) -> str:
@@ -135,7 +147,9 @@ class Directory(Protocol):
 
     def entries(self) -> list[Entry]: ...
 
-    def read_owner(self, namespace: str) -> Owner | None: ...
+    def read_owner(self, namespace: str) -> Owner | DamagedRecord | None:
+        """The namespace's owner; None if it has no owner record of ours."""
+        ...
 
     def remove(self, name: str) -> None:
         """Remove one name (a folder with everything in it); never follows a symlink."""
@@ -168,7 +182,7 @@ class ShmDirectory:
             out.append(Entry(name, match.group(1), ours, max(0.0, now - st.st_mtime)))
         return out
 
-    def read_owner(self, namespace: str) -> Owner | None:
+    def read_owner(self, namespace: str) -> Owner | DamagedRecord | None:
         path = os.path.join(self.path, f"omnisim-{namespace}-{OWNER_SUFFIX}")
         try:
             # (O_NONBLOCK: a FIFO someone made at the name would block an open for reading)
@@ -177,9 +191,11 @@ class ShmDirectory:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 4096:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 return None
-            return Owner.from_json(os.read(fd, 4096).decode("utf-8", "replace"))
+            if st.st_size > RECORD_MAX_BYTES:
+                return DamagedRecord()
+            return Owner.from_json(os.read(fd, RECORD_MAX_BYTES).decode("utf-8", "replace")) or DamagedRecord()
         finally:
             os.close(fd)
 
@@ -308,5 +324,7 @@ def _verdict(
     owner = directory.read_owner(namespace)
     if owner is None:
         return "young_orphans" if any(e.age_s < grace_s for e in entries) else None
+    if isinstance(owner, DamagedRecord):
+        return "unjudged"
     state = owner_state(owner, processes)
     return {"alive": "live", "unknown": "unjudged"}.get(state)

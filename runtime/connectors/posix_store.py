@@ -321,6 +321,14 @@ class _PosixRing:
     def closed(self) -> bool:
         return self._map is None
 
+    def truncated(self) -> bool:
+        if self._map is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_size < len(self._map)
+        except OSError:
+            return True  # (its size cannot be told: its bytes cannot be vouched for)
+
     def try_lock(self) -> bool:
         if self._held or self._map is None:
             return False  # ``flock`` would grant it again: another task of this process holds it
@@ -628,7 +636,8 @@ class PosixStore:
         return self._listed(self._lock_prefix)
 
     def owner(self) -> Owner | None:
-        return ShmDirectory(path=self.directory).read_owner(self.namespace)
+        found = ShmDirectory(path=self.directory).read_owner(self.namespace)
+        return found if isinstance(found, Owner) else None
 
     def open_handles(self) -> list[str]:
         return self.handles.names()

@@ -262,10 +262,20 @@ class Ring:
 
     @property
     def retired(self) -> bool:
-        return bool(self._u32[_RETIRED_AT // 4])
+        """Whether the ring is done with: marked so, or cut short (see :meth:`cut_short`)."""
+        return self.cut_short() or bool(self._u32[_RETIRED_AT // 4])
 
     def retire(self) -> None:
-        self._u32[_RETIRED_AT // 4] = 1
+        if not self.cut_short():
+            self._u32[_RETIRED_AT // 4] = 1
+
+    def cut_short(self) -> bool:
+        """Whether the ring's file is shorter than its mapping now: a process outside the protocol
+        truncated it, and touching the pages past its end would kill this one (SIGBUS). Each put
+        and get asks first (through :attr:`retired`), and a cancel; such a ring is retired
+        without a look at its bytes. (A cut that lands between that look and a side's copy still
+        kills it: one ``fstat`` per operation, not per access.)"""
+        return self.memory.truncated()
 
     def want_room(self) -> None:
         self._u32[_ROOM_WANTED_AT // 4] = 1
@@ -394,6 +404,8 @@ class Ring:
     def cancel(self, key: str, pos: int) -> bool:
         """Cancel ``key``'s frame at ``pos`` if it is still being written (ABORTED) or unread
         (CANCELLED); True if it did. The producer's move, without the lock (see above)."""
+        if self.cut_short():  # (a cleanup, the first look at the ring since the put)
+            raise RingCorrupt("the ring's file was cut short under its mapping")
         frame = self.frame(pos)
         if frame is None or frame.key != key or frame.state not in (WRITING, READY):
             return False

@@ -53,6 +53,7 @@ from runtime.connectors.wire import (
     WireDecodeError,
     WireEncodeError,
     committed_generation,
+    frame_seed,
 )
 from runtime.kernel import current_kernel, wait_until
 
@@ -311,7 +312,7 @@ class ShmConnector:
             with ring.payload(reserved) as view:
                 io = BufferIO(view)
                 try:
-                    checksum = await self._write_body(frame, io)
+                    checksum = await self._write_body(frame, io, frame_seed(key, 0))
                     await k.point("shm.put.written", key=key)
                     frame.commit(io, checksum)
                 finally:
@@ -392,7 +393,10 @@ class ShmConnector:
     @classmethod
     def _unread_on_retired(cls, ring: Ring, key: str, pos: int) -> bool:
         """Whether ``key``'s frame on a retired ring was never taken: it never will be (a reader
-        leaves a retired ring). A ring whose bytes cannot tell counts it unread."""
+        leaves a retired ring). A ring whose bytes cannot tell counts it unread, and one cut short
+        is not looked at."""
+        if ring.cut_short():
+            return True
         try:
             return cls._frame_unread(ring, key, pos)
         except rings.RingCorrupt:
@@ -499,7 +503,7 @@ class ShmConnector:
             created.reserve(frame.size)
             self._pending_keys[key] = created.identity  # (a put that raises from here on left it)
             await k.point("shm.put.reserved", key=key, bytes=frame.size)
-            checksum = await self._write_body(frame, created, created.generation)
+            checksum = await self._write_body(frame, created, frame_seed(key, created.generation))
             await k.point("shm.put.written", key=key)
             frame.commit(created, checksum, created.generation)
             await k.point("shm.put.committed", key=key)
@@ -513,19 +517,17 @@ class ShmConnector:
             lock.close()
 
     @staticmethod
-    async def _write_body(frame: EncodedFrame, segment: FrameIO, generation: int = 0) -> int:
-        """Copy the frame's body into the segment; its checksum (as a frame of ``generation``). A
-        large frame's checksum is computed beside the copy (it reads only the payload's memory),
-        not after it."""
+    async def _write_body(frame: EncodedFrame, segment: FrameIO, seed: int) -> int:
+        """Copy the frame's body into the segment; its checksum (seeded with ``seed``). A large
+        frame's checksum is computed beside the copy (it reads only the payload's memory), not
+        after it."""
         k = current_kernel()
         if frame.size < PARALLEL_CHECKSUM_BYTES:
-            return await k.run_blocking(
-                lambda: (frame.write_body(segment), frame.checksum(generation))[1], cost=frame.size
-            )
+            return await k.run_blocking(lambda: (frame.write_body(segment), frame.checksum(seed))[1], cost=frame.size)
         checksum: list[int] = []
 
         async def compute() -> None:
-            checksum.append(await k.run_blocking(lambda: frame.checksum(generation), cost=frame.size))
+            checksum.append(await k.run_blocking(lambda: frame.checksum(seed), cost=frame.size))
 
         async def copy() -> None:
             await k.run_blocking(lambda: frame.write_body(segment), cost=frame.size)
@@ -697,7 +699,7 @@ class ShmConnector:
         with ring.payload(frame) as view:
             io = BufferIO(view)
             try:
-                obj, error = await self._decoded(io)
+                obj, error = await self._decoded(io, key)
             finally:
                 io.close()
         if not ring.memory.closed:  # (closed: the connector closed under this get)
@@ -748,7 +750,7 @@ class ShmConnector:
         size = segment.size
         try:
             await k.point("shm.get.locked", key=key)
-            obj, error = await self._decoded(segment)
+            obj, error = await self._decoded(segment, key)
         finally:
             segment.close()
         try:
@@ -765,10 +767,11 @@ class ShmConnector:
         return obj, size, error
 
     @classmethod
-    async def _decoded(cls, source: FrameIO) -> tuple[Any, WireDecodeError | None]:
-        """The decoded payload, or the reason the bytes are not an intact frame."""
+    async def _decoded(cls, source: FrameIO, key: str) -> tuple[Any, WireDecodeError | None]:
+        """The decoded payload of ``key``'s frame, or the reason the bytes are not an intact frame
+        of that key."""
         try:
-            return await cls._decode(source), None
+            return await cls._decode(source, key), None
         except WireDecodeError as e:
             return None, e
         except StoreError:
@@ -777,26 +780,13 @@ class ShmConnector:
             return None, WireDecodeError(f"the decoder failed on it: {type(e).__name__}: {e}")
 
     @staticmethod
-    async def _decode(segment: FrameIO) -> Any:
-        """Decode a segment's frame. For a large one the checksum of the segment's bytes is
-        computed beside the copy of them, not after it (both hold the key's lock: the bytes
-        cannot change in between)."""
-        k = current_kernel()
-        decoder = FrameDecoder(segment)  # the header: small, checked before anything is allocated
-        if decoder.nbytes < PARALLEL_CHECKSUM_BYTES:
-            return await k.run_blocking(decoder.decode, cost=decoder.nbytes)
-        checksum: list[int] = []
-
-        async def compute() -> None:
-            checksum.append(await k.run_blocking(decoder.checksum, cost=decoder.nbytes))
-
-        async def copy() -> None:
-            await k.run_blocking(decoder.read, cost=decoder.nbytes)
-
-        async with k.task_group() as both:
-            both.start_soon(compute, name="shm.get.checksum")
-            both.start_soon(copy, name="shm.get.copy")
-        return decoder.finish(checksum[0])
+    async def _decode(segment: FrameIO, key: str | None) -> Any:
+        """Decode ``key``'s frame (None: a frame encoded on its own). Its checksum is of the bytes
+        copied out, never of a second read of the segment beside the copy: a process outside the
+        protocol (which takes no lock) may write to it between two reads (found by an outside
+        audit: 32 MiB chunks came back wrong and unflagged)."""
+        decoder = FrameDecoder(segment, key)  # the header: small, checked before anything is allocated
+        return await current_kernel().run_blocking(decoder.decode, cost=decoder.nbytes)
 
     def _remove_lock_after_read(self, store: Store, key: str, lock: LockFile) -> None:
         """The bytes were taken and the segment unlinked: the lock file goes too, decoded or not

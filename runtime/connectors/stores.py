@@ -147,6 +147,11 @@ class RingMemory(Protocol):
 
     def unlock(self) -> None: ...
 
+    def truncated(self) -> bool:
+        """Whether the ring's file is shorter than these bytes now (cut by a process outside the
+        protocol): the bytes past its end must not be touched."""
+        ...
+
     def close(self) -> None:
         """Release the lock if held and let go of the bytes (what a process's death does too)."""
         ...
@@ -360,6 +365,9 @@ class _MemRing:
     @property
     def identity(self) -> SegmentId:
         return self._inode.identity
+
+    def truncated(self) -> bool:
+        return False  # (a simulated ring's bytes are never cut: its stray writes change them)
 
     @property
     def closed(self) -> bool:

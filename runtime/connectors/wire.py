@@ -28,7 +28,8 @@ changed after the commit. It needs none of the segment's bytes, so a writer comp
 copy; a reader computes it piece by piece as each piece lands, while the piece is in the cache.
 The generation counts the frames the segment's file held before this one (a consumed segment is
 kept as a spare and reused: its count goes on), so a put's handle names its own frame, never a
-later put's in the same file.
+later put's in the same file. The checksum is seeded with the generation and the key the frame
+was put under: it covers them too.
 
 Frames are written to and read from a :class:`FrameIO`: positional writes and reads, which a
 shared-memory segment (file descriptor) and a plain byte buffer both provide.
@@ -73,10 +74,18 @@ PIECE = 256 << 10
 HUGE_PAGE_BYTES = 32 << 20
 
 
-def new_digest(generation: int = 0) -> xxhash.xxh3_64:
+def new_digest(seed: int = 0) -> xxhash.xxh3_64:
     """The frame checksum: XXH3-64 (measured faster than CRC-32C on this machine's reads), seeded
-    with the frame's generation so that it covers that too."""
-    return xxhash.xxh3_64(seed=generation)
+    with :func:`frame_seed`."""
+    return xxhash.xxh3_64(seed=seed)
+
+
+def frame_seed(key: str | None, generation: int) -> int:
+    """The seed of a frame's checksum, so that it covers what the frame's bytes do not say: the
+    key it was put under (a frame a stray rename moved under another key fails its checksum
+    there) and its generation in its file. A frame read without its key (:func:`decode`) was
+    written without one."""
+    return generation ^ (xxhash.xxh3_64_intdigest(key.encode()) if key is not None else 0)
 
 
 ALIGN = 64
@@ -225,6 +234,8 @@ class EncodedFrame:
             raise
         except (TypeError, ValueError, OverflowError, RuntimeError, NotImplementedError) as e:
             raise WireEncodeError(f"cannot encode payload: {e}") from e
+        except Exception as e:  # (a payload's own objects, as they are read: an unset field, a broken image)
+            raise WireEncodeError(f"cannot encode payload: {type(e).__name__}: {e}") from e
         self._buffer_base = _align(_PREFIX.size + len(header))
         #: The prefix and the header, zero-padded to the buffer region.
         self._head = bytearray(self._buffer_base)
@@ -287,11 +298,11 @@ class EncodedFrame:
             if data.nbytes:
                 io.write(self._buffer_base + offset, data)
 
-    def checksum(self, generation: int = 0) -> int:
-        """The checksum the trailer of a frame of ``generation`` commits: of the prefix, the header
-        and every buffer. It reads only the payload's own memory, so it may run while
+    def checksum(self, seed: int = 0) -> int:
+        """The checksum the trailer commits (seeded with :func:`frame_seed`): of the prefix, the
+        header and every buffer. It reads only the payload's own memory, so it may run while
         :meth:`write_body` copies."""
-        digest = new_digest(generation)
+        digest = new_digest(seed)
         digest.update(memoryview(self._head)[: self._header_end])
         for _, data in self._buffers:
             if data.nbytes:
@@ -302,14 +313,15 @@ class EncodedFrame:
         """Write the commit trailer: from now on the frame reads as complete."""
         io.write(self.body_size, TRAILER.pack(COMMIT_MAGIC, generation, checksum, self.body_size))
 
-    def write_to(self, io: FrameIO) -> None:
-        """Write the whole frame (``size`` bytes) through ``io``, the commit trailer last."""
+    def write_to(self, io: FrameIO, key: str | None = None) -> None:
+        """Write the whole frame (``size`` bytes) through ``io``, the commit trailer last, as a
+        new file's frame of ``key``."""
         self.write_body(io)
-        self.commit(io, self.checksum())
+        self.commit(io, self.checksum(frame_seed(key, 0)))
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, key: str | None = None) -> bytes:
         out = bytearray(self.size)
-        self.write_to(BufferIO(out))
+        self.write_to(BufferIO(out), key)
         return bytes(out)
 
 
@@ -352,9 +364,9 @@ def committed_generation(frame: FrameIO) -> int | None:
     return generation if magic == COMMIT_MAGIC else None
 
 
-def encode(obj: object) -> bytes:
-    """Encode ``obj`` to a standalone frame."""
-    return EncodedFrame(obj).to_bytes()
+def encode(obj: object, key: str | None = None) -> bytes:
+    """Encode ``obj`` to a standalone frame (put under ``key``, if it names one)."""
+    return EncodedFrame(obj).to_bytes(key)
 
 
 def _shape(raw: object) -> tuple[int, ...]:
@@ -549,29 +561,32 @@ def _unpack(header: memoryview, ext_hook: Any, *, exact: bool = True) -> Any:
         raise WireDecodeError(f"corrupt header: {type(e).__name__}: {e}") from None
 
 
-def decode(source: Buffer | FrameIO) -> Any:
-    """Decode a frame from bytes or a :class:`FrameIO`. Tensors and arrays are copied out."""
+def decode(source: Buffer | FrameIO, key: str | None = None) -> Any:
+    """Decode a frame from bytes or a :class:`FrameIO` (one put under ``key``, if it names one).
+    Tensors and arrays are copied out."""
     if isinstance(source, Buffer):
         with memoryview(source) as raw, raw.cast("B") as view:
-            return FrameDecoder(BufferIO(view)).decode()
-    return FrameDecoder(source).decode()
+            return FrameDecoder(BufferIO(view), key).decode()
+    return FrameDecoder(source, key).decode()
 
 
 class FrameDecoder:
     """One frame being decoded. Making it checks the commit trailer and every buffer reference
-    of the header, then allocates the buffers (never more than the frame holds); the bytes are
-    then read and checksummed either together, piece by piece (:meth:`decode`), or apart — the
-    copy (:meth:`read`) and the checksum of the source (:meth:`checksum`) at the same time, for a
-    large frame — and :meth:`finish` accepts them only if the checksum is the committed one."""
+    of the header, then allocates the buffers (never more than the frame holds); :meth:`decode`
+    then reads the bytes piece by piece and checksums each piece as it landed, and :meth:`finish`
+    accepts them only if the checksum is the committed one. The checksum is of the bytes handed
+    out, never of a second read of the source: a stray write between two reads would pass."""
 
-    def __init__(self, io: FrameIO) -> None:
+    def __init__(self, io: FrameIO, key: str | None = None) -> None:
+        """``key``: the key the frame was put under (none for a frame encoded on its own)."""
         if io.size < _PREFIX.size + TRAILER.size:
             raise WireDecodeError(f"frame too short ({io.size} bytes): its writer never finished")
         self._io = io
         body_size = io.size - TRAILER.size
-        magic, self._generation, self._committed, length = TRAILER.unpack(io.read(body_size, TRAILER.size))
+        magic, generation, self._committed, length = TRAILER.unpack(io.read(body_size, TRAILER.size))
         if magic != COMMIT_MAGIC:
             raise WireDecodeError("uncommitted frame: its writer never finished (no commit trailer)")
+        self._seed = frame_seed(key, generation)
         if length != body_size:
             raise WireDecodeError(f"the commit trailer says {length} bytes, the frame holds {body_size}")
         magic, header_len = _PREFIX.unpack(io.read(0, _PREFIX.size))
@@ -599,30 +614,13 @@ class FrameDecoder:
         ]
 
     def decode(self) -> Any:
-        """Read and checksum every piece in one go (each piece while it is in the cache)."""
-        digest = new_digest(self._generation)
+        """Read every piece, and checksum it where it landed (while it is in the cache)."""
+        digest = new_digest(self._seed)
         digest.update(self._head)
         for offset, piece in self._pieces():
             self._io.read_into(offset, piece)
             digest.update(piece)
         return self.finish(digest.intdigest())
-
-    def read(self) -> None:
-        """Copy the buffers out, without checksumming them (see :meth:`checksum`)."""
-        for offset, piece in self._pieces():
-            self._io.read_into(offset, piece)
-
-    def checksum(self) -> int:
-        """The checksum of the source's bytes, read piece by piece into a scratch buffer of its
-        own: it may run while :meth:`read` copies the same bytes out."""
-        digest = new_digest(self._generation)
-        digest.update(self._head)
-        scratch = np.empty(PIECE, np.uint8)
-        for offset, piece in self._pieces():
-            chunk = scratch[: piece.nbytes]
-            self._io.read_into(offset, chunk)
-            digest.update(chunk)
-        return digest.intdigest()
 
     def finish(self, checksum: int) -> Any:
         """The decoded object, if ``checksum`` of the bytes read is the committed one."""
