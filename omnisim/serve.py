@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.trio import serve as hypercorn_serve
 
     from omnisim.pipeline_cli import engine_parts
-    from runtime.orchestrator import EngineStopped
+    from runtime.orchestrator import EngineStopped, StagesDown
     from runtime.pipeline import Models, build_engine
     from runtime.real_kernel import run
     from runtime.serving.http import Server
@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
                 with trio.move_on_after(args.ready_timeout) as waiting:
                     try:
                         await engine.wait_ready(args.ready_timeout)
-                    except EngineStopped as e:  # a signal while the stages started, or a stage that could not
+                    except (EngineStopped, StagesDown) as e:  # a signal while they started, or a stage that could not
                         never_up(None if received else str(e))
                         return
                 if waiting.cancelled_caught:

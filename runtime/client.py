@@ -20,7 +20,7 @@ import torch
 from runtime import serving
 from runtime.config.topology import OutputType
 from runtime.models.code2wav import SAMPLE_RATE
-from runtime.orchestrator import EngineOutput, EngineStopped, Orchestrator
+from runtime.orchestrator import EngineOutput, EngineStopped, Orchestrator, StagesDown, Unavailable
 from runtime.serving import EmittedSamplesTrim, OutputKind
 
 _request_ids = itertools.count()
@@ -72,9 +72,11 @@ async def generate(
         results = await engine.submit(
             rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps
         )
-    except EngineStopped:
+    except (EngineStopped, StagesDown) as e:
+        # (a stage that stayed down says which, and why; the engine may well be running)
+        error = Unavailable(str(e)) if isinstance(e, StagesDown) else engine.shutdown_error
         kind = OutputType.AUDIO if OutputType.AUDIO in outputs else OutputType.TEXT
-        yield ClientOutput(kind, None, finished=True, error=engine.shutdown_error)
+        yield ClientOutput(kind, None, finished=True, error=error)
         return
     final_stages = {s.stage_id for s in engine.config.stages if s.final_output in outputs}
     trim = EmittedSamplesTrim() if params[-1].output_kind is OutputKind.CUMULATIVE else None

@@ -64,6 +64,12 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new request."""
 
 
+class StagesDown(RuntimeError):
+    """Stages a request needs stayed down for the whole wait (a dead one whose new life did not
+    come up in time, or one still starting): the request fails, as unavailable; the engine runs
+    on."""
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     """One output of a request, as the engine hands it to the serving layer.
@@ -180,7 +186,8 @@ class Orchestrator:
                 raise EngineStopped("the engine is shutting down")
             if k.now() >= ends:
                 down = [s.spec.name for s in wanted if not s.health()["alive"]]
-                raise EngineStopped(f"stage(s) {', '.join(down)} not up after {timeout_s:g}s")
+                which = f"stage {down[0]} is" if len(down) == 1 else f"stages {', '.join(down)} are"
+                raise StagesDown(f"{which} down: not up after {timeout_s:g} s")
             await k.sleep(0.05)
 
     def stage_died(self, stage_id: int, reason: str, restarting: bool) -> None:

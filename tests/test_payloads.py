@@ -71,7 +71,8 @@ async def test_a_get_that_hands_out_what_no_put_sent_is_reported(monkeypatch: py
     assert reports == []
 
     # A wire format that hands a list out as a tuple.
-    monkeypatch.setattr(ShmConnector, "_decode", staticmethod(lambda _source, _key: _with_tuples(decode(encode(PAYLOAD)))))
+    tuples = staticmethod(lambda _source, _key: _with_tuples(decode(encode(PAYLOAD))))
+    monkeypatch.setattr(ShmConnector, "_decode", tuples)
     assert (await writer.put("1", "2", "R_1_1", PAYLOAD)).ok
     assert await reader.get("1", "2", "R_1_1") is not None
     assert reports == ["the get of R_1_1 handed out a payload no put of R_1_1 was asked to send"]

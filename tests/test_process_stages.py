@@ -18,6 +18,7 @@ import torch
 import trio
 import yaml
 
+from runtime import orchestrator
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
 from runtime.connectors.posix_store import PosixStore
@@ -71,6 +72,39 @@ def test_stage_processes_run_the_config_file_the_head_read(tmp_path: Path) -> No
     split = run_alone("hello world", processes=True, config=config)
     assert split.error is None and split.residue == {}
     assert torch.equal(split.audio, alone.audio)
+
+
+def test_a_request_for_a_stage_that_stays_down_is_told_which_and_the_engine_runs_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request waits for a stage that is down (dead, its next life not up yet) at most the
+    restart wait; then it fails as unavailable naming the stage, not "the engine shut down" (found
+    by an outside audit: a server that went on serving told it that), and the engine takes the
+    next request."""
+    monkeypatch.setattr(orchestrator, "RESTART_WAIT_S", 0.2)
+    store = PosixStore()
+    engine = engine_on(store, processes=False)
+    talker = engine.stages[1]
+    outcome: dict[str, list[ClientOutput]] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            await engine.wait_ready()
+            up = talker.health
+            monkeypatch.setattr(talker, "health", lambda: {**up(), "alive": False})
+            outcome["down"] = await answer(engine, "hello world", ("audio",), "R")
+            monkeypatch.setattr(talker, "health", up)
+            outcome["again"] = await answer(engine, "hello world", ("audio",), "R")
+            engine.shutdown()
+
+    try:
+        trio.run(main)
+    finally:
+        store.sweep()
+    (told,) = [out.error for out in outcome["down"] if out.finished]
+    assert isinstance(told, Unavailable) and told == "stage talker is down: not up after 0.2 s"
+    assert [out.error for out in outcome["again"] if out.finished] == [None]
 
 
 def test_a_killed_talker_fails_only_its_requests_and_comes_back() -> None:
