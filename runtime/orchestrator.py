@@ -186,8 +186,7 @@ class Orchestrator:
                 raise EngineStopped("the engine is shutting down")
             if k.now() >= ends:
                 down = [s.spec.name for s in wanted if not s.health()["alive"]]
-                which = f"stage {down[0]} is" if len(down) == 1 else f"stages {', '.join(down)} are"
-                raise StagesDown(f"{which} down: not up after {timeout_s:g} s")
+                raise StagesDown(f"{', '.join(f'stage {name} is down' for name in down)}: not up after {timeout_s:g} s")
             await k.sleep(0.05)
 
     def stage_died(self, stage_id: int, reason: str, restarting: bool) -> None:
