@@ -31,12 +31,11 @@ failure with its cause and leaves nothing behind; a get never loses a payload it
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.connectors import ring as rings
 from runtime.connectors.base import CorruptChunk, PutResult
@@ -85,8 +84,7 @@ class ConnectorClosed(StoreError):
     """A put on a connector that is closed, or was closed before the put ended."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PutId:
+class PutId(NamedTuple):
     """Which put's payload a handle names: the file it went to (a segment, or its edge's ring)
     and its frame there (the frame's generation in the segment, its position on the ring). A
     later put may reuse the file (a consumed segment kept as a spare, a ring), never the pair."""
