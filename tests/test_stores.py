@@ -150,7 +150,8 @@ def test_a_segment_made_of_a_spare_is_another_segment(spare_store: Store) -> Non
 def test_a_spare_reused_is_the_same_file_and_its_frames_count_on(spare_store: Store) -> None:
     """A spare renamed onto a key keeps its identity (as a tmpfs rename keeps the inode), so the
     generation its next frame commits, one more than its last frame's, is what tells the frames
-    apart. A frame that lost its commit trailer starts the count again."""
+    apart — also after a writer that died before its commit: it used its number up (else the next
+    frame would repeat an earlier one's generation, and a stale handle would find it)."""
     frames = []
     for i in range(3):
         made = spare_store.create_segment("R_1_0")
@@ -164,13 +165,13 @@ def test_a_spare_reused_is_the_same_file_and_its_frames_count_on(spare_store: St
     assert [identity for identity, _ in frames] == [frames[0][0]] * 3
     assert [generation for _, generation in frames] == [0, 1, 2]
     made = spare_store.create_segment("R_1_0")
-    made.reserve(300)  # (its trailer zeroed when taken: never committed again)
+    made.reserve(300)  # (its writer dies here: the frame is never committed)
     assert made.generation == 3
     made.close()
     spare_store.retire_segment("R_1_0")
     again = spare_store.create_segment("R_1_0")
     again.reserve(300)
-    assert (again.identity, again.generation) == (frames[0][0], 0)
+    assert (again.identity, again.generation) == (frames[0][0], 4)
     again.close()
 
 
@@ -593,8 +594,10 @@ def test_a_consumed_segment_becomes_a_spare_the_next_segment_takes(spare_store: 
     new.close()
     got = read_segment(spare_store, "R_1_1")
     assert got is not None and len(got) == 200
-    # The old bytes stay where the new frame has not written yet, but never its commit trailer.
-    assert got[:176] == old[:176] and got[176:] == bytes(24)
+    # The old bytes stay where the new frame has not written yet, but never its commit trailer:
+    # no commit magic, checksum or length, only the generation the new frame will commit.
+    assert got[:176] == old[:176] and got[176:180] == bytes(4) and got[184:] == bytes(16)
+    assert int.from_bytes(got[180:184], "little") == (int.from_bytes(old[180:184], "little") + 1) % (1 << 32)
 
 
 @pytest.mark.parametrize("size", [120, 200, 300])

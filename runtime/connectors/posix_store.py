@@ -429,7 +429,7 @@ class PosixStore:
 
     def _take_spare(self, key: str, created: int, size: int) -> tuple[int, int] | None:
         """A spare for ``key``'s new segment (open as ``created``), resized to ``size`` bytes,
-        all backed, its commit trailer zeroed, then renamed onto the key's name: its descriptor,
+        all backed, its commit trailer made uncommitted, then renamed onto the key's name: its descriptor,
         and the generation of its next frame. None if there is no spare to take, or the new
         segment lost its name meanwhile (a cleanup removed it: the put writes into nothing, as it
         would have)."""
@@ -460,8 +460,8 @@ class PosixStore:
                 os.ftruncate(fd, size)
             if size > held:  # the pages up to its old size exist: only the new ones are reserved
                 os.posix_fallocate(fd, held, size - held)
-            at, zeros = uncommitted_tail(size)
-            os.pwrite(fd, zeros, at)
+            at, tail = uncommitted_tail(size, generation)
+            os.pwrite(fd, tail, at)
             os.rename(self._spare_path(name), self.segment_path(key))
         except BaseException as e:
             os.close(fd)

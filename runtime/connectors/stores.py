@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from runtime.connectors.namespaces import SPARES_KEPT, Owner
-from runtime.connectors.wire import GENERATIONS, TRAILER, Buffer, BufferIO, FrameIO, committed_generation
+from runtime.connectors.wire import GENERATIONS, TRAILER, Buffer, BufferIO, FrameIO
 
 #: Segments from this size on are kept as spares once consumed (a smaller one is cheap to make).
 SPARE_MIN_BYTES = 1 << 20
@@ -49,16 +49,21 @@ def choose_spare(sizes: dict[str, int], size: int) -> str | None:
 
 
 def next_generation(spare: FrameIO) -> int:
-    """The generation of the next frame in ``spare``, a reused segment (read before it is resized:
-    one that lost its commit trailer starts the count again)."""
-    last = committed_generation(spare)
-    return 0 if last is None else (last + 1) % GENERATIONS
+    """The generation of the next frame in ``spare``, a reused segment (read before it is
+    resized): one more than its trailer's, committed or not. A reused segment's trailer holds its
+    new generation from the moment it is taken (:func:`uncommitted_tail`), so a writer that died
+    before its commit has used its number up all the same."""
+    if spare.size < TRAILER.size:
+        return 0
+    _, last, _, _ = TRAILER.unpack(spare.read(spare.size - TRAILER.size, TRAILER.size))
+    return (last + 1) % GENERATIONS
 
 
-def uncommitted_tail(size: int) -> tuple[int, bytes]:
-    """Where a reused segment of ``size`` bytes gets zeros before it takes a key's name, and the
-    zeros: its commit trailer, so it reads as uncommitted until its writer commits the new frame."""
-    return max(0, size - TRAILER.size), bytes(min(size, TRAILER.size))
+def uncommitted_tail(size: int, generation: int) -> tuple[int, bytes]:
+    """Where a reused segment of ``size`` bytes gets its trailer before it takes a key's name, and
+    that trailer: uncommitted (no magic, no checksum: it reads as uncommitted until its writer
+    commits the new frame), holding the ``generation`` that writer will commit."""
+    return max(0, size - TRAILER.size), TRAILER.pack(bytes(4), generation, 0, 0)[: min(size, TRAILER.size)]
 
 
 class StoreError(Exception):
@@ -104,7 +109,7 @@ class Segment(FrameIO, Protocol):
 
     def reserve(self, size: int) -> None:
         """Give a new segment exactly ``size`` bytes, all backed now (StoreFull if they are not):
-        a spare's when one is there (its stale commit trailer zeroed), else fresh ones."""
+        a spare's when one is there (its stale commit trailer made uncommitted), else fresh ones."""
         ...
 
     def close(self) -> None: ...
@@ -527,7 +532,7 @@ class MemoryStore:
 
     def _take_spare(self, key: str, created: bytearray, size: int) -> tuple[bytearray, int] | None:
         """What a reserve does with a spare in /dev/shm (see ``PosixStore._take_spare``): resize
-        it, zero its commit trailer, rename it onto ``key``'s new segment ``created`` — unless
+        it, make its commit trailer uncommitted, rename it onto ``key``'s new segment ``created`` — unless
         that segment lost its name meanwhile (a cleanup: the put then writes into nothing, as it
         would have). The spare's old bytes stay where the new frame does not overwrite them, as
         in a real segment, and it stays the same file. The spare and its next generation; None if
@@ -542,8 +547,8 @@ class MemoryStore:
             return None  # too small to grow here: the put makes room as for a fresh segment
         generation = next_generation(BufferIO(old))
         data = bytearray(old[:size]) + bytes(max(0, size - len(old)))  # (a copy: a dead reader may hold a view)
-        at, zeros = uncommitted_tail(size)
-        data[at : at + len(zeros)] = zeros
+        at, tail = uncommitted_tail(size, generation)
+        data[at : at + len(tail)] = tail
         del self._spares[name]
         self._segments[key] = data
         self._identities[key] = identity
