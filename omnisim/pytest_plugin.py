@@ -120,8 +120,7 @@ def _defining_files(scenario: str, mutant: str | None) -> list[str]:
     for fn in functions:
         module = sys.modules.get(fn.__module__)
         path = getattr(module, "__file__", None)
-        builtin = fn.__module__.split(".")[0] in ("scenarios", "omnisim")
-        if path and not builtin and path not in files:
+        if path and not registry.is_builtin(fn) and path not in files:
             files.append(os.path.abspath(path))
     return files
 

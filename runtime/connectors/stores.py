@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from runtime.connectors.namespaces import SPARES_KEPT, Owner
-from runtime.connectors.wire import GENERATIONS, TRAILER, Buffer, BufferIO, FrameIO
+from runtime.connectors.wire import GENERATIONS, TRAILER, Buffer, BufferIO, FrameIO, read_trailer
 
 #: Segments from this size on are kept as spares once consumed (a smaller one is cheap to make).
 SPARE_MIN_BYTES = 1 << 20
@@ -53,10 +53,8 @@ def next_generation(spare: FrameIO) -> int:
     resized): one more than its trailer's, committed or not. A reused segment's trailer holds its
     new generation from the moment it is taken (:func:`uncommitted_tail`), so a writer that died
     before its commit has used its number up all the same."""
-    if spare.size < TRAILER.size:
-        return 0
-    _, last, _, _ = TRAILER.unpack(spare.read(spare.size - TRAILER.size, TRAILER.size))
-    return (last + 1) % GENERATIONS
+    trailer = read_trailer(spare)
+    return 0 if trailer is None else (trailer[1] + 1) % GENERATIONS
 
 
 def uncommitted_tail(size: int, generation: int) -> tuple[int, bytes]:

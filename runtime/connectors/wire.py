@@ -355,13 +355,19 @@ def _is_default(value: object, field: msgspec.structs.FieldInfo) -> bool:
     return factory in _EMPTY_FACTORIES and type(value) is factory and not value  # type: ignore[arg-type]
 
 
-def committed_generation(frame: FrameIO) -> int | None:
-    """The generation in ``frame``'s commit trailer; None if it has none (it is uncommitted, or
-    no frame). Reads only the trailer."""
+def read_trailer(frame: FrameIO) -> tuple[bytes, int, int, int] | None:
+    """``frame``'s trailer (magic, generation, checksum, length), committed or not; None if the
+    frame is shorter than a trailer. Reads only the trailer."""
     if frame.size < TRAILER.size:
         return None
-    magic, generation, _, _ = TRAILER.unpack(frame.read(frame.size - TRAILER.size, TRAILER.size))
-    return generation if magic == COMMIT_MAGIC else None
+    return TRAILER.unpack(frame.read(frame.size - TRAILER.size, TRAILER.size))
+
+
+def committed_generation(frame: FrameIO) -> int | None:
+    """The generation in ``frame``'s commit trailer; None if it has none (it is uncommitted, or
+    no frame)."""
+    trailer = read_trailer(frame)
+    return trailer[1] if trailer is not None and trailer[0] == COMMIT_MAGIC else None
 
 
 def encode(obj: object, key: str | None = None) -> bytes:
