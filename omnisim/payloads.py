@@ -1,5 +1,6 @@
 """What a chunk carries, compared from outside the runtime: every payload a get hands out must be
-one that a put was asked to send under the same key, type for type and byte for byte.
+one that a put was asked to send under the same key, type for type and byte for byte, and no
+more often than puts were asked to send it.
 
 The scenarios record codec frames, which is what a listener hears; this watches everything else a
 chunk carries (metadata, flags, hidden states, lists, maps with tuple keys), whatever the scenario
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -83,26 +85,37 @@ def as_carried(obj: object, depth: int = DEPTH) -> object:
     return obj
 
 
-def watch_payloads(connector: ShmConnector, offered: dict[str, set[Hashable]], report: Callable[[str], None]) -> None:
+def watch_payloads(
+    connector: ShmConnector, offered: dict[str, Counter[Hashable]], report: Callable[[str], None]
+) -> None:
     """Wrap ``connector``'s put and get: a put adds its payload to ``offered`` under its key before
     it starts (its process may die before it returns, its chunk committed), and a get that hands
-    out a payload no put offered under that key is ``report`` ed. ``offered`` is shared by every
-    connector of a world: a chunk's writer and reader are different ones."""
+    out a payload no put offered under that key — or one more often than puts offered it: a chunk
+    delivered twice — is ``report`` ed. ``offered`` is shared by every connector of a world: a
+    chunk's writer and reader are different ones."""
     put, get = connector.put, connector.get
 
     async def watched_put(from_stage: str, to_stage: str, put_key: str, data: object) -> PutResult:
         # (a payload that cannot even be read, an unset field or a broken image, is offered as
         # nothing: no get may hand out anything for it)
         with contextlib.suppress(Exception):
-            offered.setdefault(put_key, set()).add(fingerprint(as_carried(data)))
+            offered.setdefault(put_key, Counter())[fingerprint(as_carried(data))] += 1
         return await put(from_stage, to_stage, put_key, data)
 
     async def watched_get(
         from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None, **kwargs: Any
     ) -> tuple[Any, int] | None:
         result = await get(from_stage, to_stage, get_key, metadata, **kwargs)
+        if result is None:
+            return None
         key, _ = resolve_get(get_key, metadata)
-        if result is not None and fingerprint(result[0]) not in offered.get(key, set()):
+        left = offered.get(key, Counter())
+        handed_out = fingerprint(result[0])
+        if left[handed_out] > 0:
+            left[handed_out] -= 1
+        elif handed_out in left:
+            report(f"the get of {key} handed out a payload more often than puts of {key} were asked to send it")
+        else:
             report(f"the get of {key} handed out a payload no put of {key} was asked to send")
         return result
 

@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -161,7 +162,7 @@ class World:
         self._save_tasks: dict[str, ChunkTransferAdapter] = {}
         self._sending: dict[str, tuple[str, int, str]] = {}
         #: Each chunk key's payloads that a put was asked to send (see :func:`watch_payloads`).
-        self._offered: dict[str, set[Hashable]] = {}
+        self._offered: dict[str, Counter[Hashable]] = {}
         #: What the connectors answer their callers, checked (see :mod:`omnisim.answers`).
         self.answers = Answers(self._raw, self._planted_at, ring_views)
         self.stages: dict[int, Stage] = {}
@@ -504,7 +505,7 @@ class World:
                 forge_segment(store, key, self.forgery)
             intact = intact_forgery(self.forgery)
             if intact is not None:  # as if a peer put it: the get may hand it out, the receiver must refuse it
-                self._offered.setdefault(key, set()).add(fingerprint(as_carried(intact)))
+                self._offered.setdefault(key, Counter())[fingerprint(as_carried(intact))] += 1
         else:
             raise UsageError(f"fault {fault.kind!r} is not one the world acts out")
 

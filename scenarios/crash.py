@@ -8,6 +8,9 @@ a namespace it owns; the other stage reads from there):
   that was not committed is a corrupt chunk, a committed one is accepted whole; either way the
   request fails within a second ("producer stage 1 exited", or the corrupt chunk named), and
   the operator's sweep leaves nothing of the dead Talker;
+* ``writer_crash_after_reuse`` — the same, once the id was reused: the Talker dies in the new
+  generation's put of a key the old generation's chunk was read from, after it took that chunk's
+  segment back as a spare and before it wrote a byte: the old chunk is never accepted again;
 * ``reader_crash`` — Code2Wav is SIGKILLed holding a key's lock (before or after it took the
   bytes): the Talker, alive, reclaims the request's keys and the lock file the reader left;
 * ``sweep_vs_live_owner`` — an operator's sweep runs while a live Talker streams, next to the
@@ -108,13 +111,19 @@ def crash_scenario(
 
 
 async def send(
-    req: EdgeRequest, chunk_frames: list[int], *, pause_s: float = 0.0, output: Mapping[str, object] | None = None
+    req: EdgeRequest,
+    chunk_frames: list[int],
+    *,
+    pause_s: float = 0.0,
+    output: Mapping[str, object] | None = None,
+    first_frame: int = 0,
 ) -> None:
     """The Talker's scheduler: one chunk per entry, the last one the terminal; every frame sent
     is recorded. Stops when the request ended (or its process died: then it never returns).
     ``pause_s``: a slow producer, computing that long before each chunk; ``output``: more of the
-    model's output beside each chunk's frames, for a processor that sends it."""
-    offset = 0
+    model's output beside each chunk's frames, for a processor that sends it; ``first_frame``:
+    the index its frames start at (another generation of an id sends other frames)."""
+    offset = first_frame
     for i, n in enumerate(chunk_frames):
         if pause_s:
             await current_kernel().sleep(pause_s)
@@ -246,6 +255,39 @@ async def writer_crash(world: World) -> None:
             failed_at[0] - died <= PRODUCER_NOTICE_S,
             f"the consumer learned {failed_at[0] - died:.3f}s after its producer died (at most {PRODUCER_NOTICE_S}s)",
         )
+    await world.sweep_dead()
+
+
+@crash_scenario(
+    "writer_crash_after_reuse",
+    summary="an id's chunk is read (its segment kept as a spare), the id is reused, and the Talker is SIGKILLed "
+    "in the new generation's put of the same key, once it took that spare under the key's name and before it "
+    "wrote a byte: the old generation's chunk, whole under that very key, is never accepted again",
+    issue="omnisim issue 13 (spares) and issue 9 (commit protocol)",
+    own=TALKER,
+    faults=lambda p: FaultPlan([Fault("crash_writer", at="shm.put.reserved", match={"key": "R_1_0"}, nth=2)]),
+)
+async def writer_crash_after_reuse(world: World) -> None:
+    old = EdgeRequest(world, "R", "old")
+    new = EdgeRequest(world, "R", "new")
+    new.stream.allowed_outcomes = frozenset({"failed"})
+
+    async def old_then_new() -> None:
+        await in_process(
+            [(MAIN_PROCESS, "old.consume", lambda: receive(old)), ("stage1", "old.produce", lambda: send(old, [25]))]
+        )
+        await old.talker.adapter.finish_requests([old.sender])
+        await old.talker.adapter.release_shm_resources(old.ext)
+        # The new generation's chunk 0 has the old one's size (its spare fits it byte for byte)
+        # and other frames, so the old chunk handed out again is told from it.
+        await in_process(
+            [
+                (MAIN_PROCESS, "new.consume", lambda: receive(new)),
+                ("stage1", "new.produce", lambda: send(new, [25, 10], first_frame=100)),
+            ]
+        )
+
+    await old_then_new()
     await world.sweep_dead()
 
 

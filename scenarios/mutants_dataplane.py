@@ -5,14 +5,7 @@ equivalent mutant — a writer killed between an early trailer and its body leav
 CRC does not match its zeros, which the reader refuses exactly as it refuses an uncommitted one
 (600 schedules of ``writer_crash``, random and PCT, found no difference). The commit marker and
 the checksum are two defences of the same rule; the mutants below take away each one that has a
-consequence of its own.
-
-Not here either, since a frame's checksum is seeded with the key it was put under: "a spare keeps
-the commit trailer of the frame it held". A writer killed before its first byte leaves that old
-frame under the new key's name, and there it fails its checksum, refused exactly as an
-uncommitted frame is (``writer_crash`` found no difference). It differs only when the spare is
-reused for the very key it last carried (an id reused) and its writer dies before writing: no
-scenario does that yet (the README lists it)."""
+consequence of its own."""
 
 from __future__ import annotations
 
@@ -63,6 +56,23 @@ class _Unchecked:
 )
 def handle_names_the_file_only() -> Iterator[Patch]:
     yield Patch(shm, "_holds", lambda segment, put: not put.on_ring and segment.identity == put.file)
+
+
+@mutant(
+    "spare_keeps_its_commit",
+    summary="a spare segment takes a key's name with the commit trailer of the frame it held: reused for the key "
+    "it last carried (an id reused), its writer killed before it wrote a byte leaves the old generation's chunk "
+    "there, whole, and the new generation's reader takes it",
+    issue="omnisim issue 13 (reusable segments)",
+    scenarios=("writer_crash_after_reuse",),
+    expect=("no-corrupt-accept",),
+)
+def spare_keeps_its_commit() -> Iterator[Patch]:
+    def nothing_made_uncommitted(size: int, generation: int) -> tuple[int, bytes]:
+        return size, b""
+
+    yield Patch(stores, "uncommitted_tail", nothing_made_uncommitted)
+    yield Patch(posix_store, "uncommitted_tail", nothing_made_uncommitted)
 
 
 @mutant(

@@ -171,6 +171,26 @@ async def test_the_handle_of_a_ring_frame_never_finds_a_later_ring_s_frame_at_it
     assert residue(store) == ([], [])
 
 
+async def test_a_ring_frame_s_handle_finds_it_whatever_stages_or_ring_setting_the_get_names(store: Store) -> None:
+    """The handle is used directly (spec §2.4): it names its ring's edge, so a get by it finds the
+    frame from a connector that reads no rings, or names its stages differently. A get by the key
+    alone looks only where the connector was told to look."""
+    producer = ShmConnector(store, send_ring=RingSettings())
+    by_key_only = ShmConnector(store)  # (receive_ring=False)
+    first = (await producer.put("0", "1", "R_4_0", "first")).metadata
+    assert first["shm"]["edge"] == edge_name("0", "1")
+    assert await by_key_only.get("0", "1", "R_4_0") is None
+    assert await by_key_only.get("0", "1", "R_4_0", first) == ("first", first["size"])
+    second = (await producer.put("0", "1", "R_4_1", "second")).metadata
+    assert await by_key_only.get("thinker", "talker", "R_4_1", second) == ("second", second["size"])
+    assert await by_key_only.get("0", "1", "R_4_1", second) is None  # (read: it is gone)
+    forged = {"shm": {**second["shm"], "edge": "../x"}}  # (an edge that is no name of ours: nothing there)
+    assert await by_key_only.get("0", "1", "R_4_1", forged) is None
+    await producer.close()
+    await by_key_only.close()
+    assert residue(store) == ([], [])
+
+
 async def test_a_segment_a_stray_rename_moved_under_another_key_is_refused_there() -> None:
     """A frame's checksum is seeded with the key it was put under: moved under another key's name
     by a process outside the protocol, it reads as corrupt there, never as that key's chunk
@@ -193,6 +213,21 @@ async def test_a_connector_used_with_async_with_is_closed_at_the_end(store: Stor
         await put(conn, "W_0_0", {"v": torch.zeros(8)})  # (unread: the close removes it)
     assert residue(store) == ([], [])
     assert not (await conn.put("0", "1", "W_0_1", 1)).ok  # (closed)
+
+
+@pytest.mark.parametrize("transport", ["segments", "ring"])
+async def test_a_connector_used_with_a_plain_with_is_closed_at_the_end(store: Store, transport: str) -> None:
+    """Code that cannot await closes a connector with a plain ``with`` (spec §2.1): unread keys,
+    large ones kept as spares, and the ring all go."""
+    ring = RingSettings() if transport == "ring" else None
+    with ShmConnector(store, send_ring=ring) as conn, ShmConnector(store, receive_ring=True) as reader:
+        await put(conn, "W_1_0", {"v": torch.zeros(8)})  # (unread: the close removes it)
+        await put(conn, "W_1_1", torch.zeros(SPARE_MIN_BYTES, dtype=torch.uint8))
+        assert await get(reader, "W_1_1") is not None  # (its segment becomes a spare)
+    assert residue(store) == ([], [])
+    assert store.spares() == [] and store.open_ring(edge_name("0", "1")) is None
+    assert not (await conn.put("0", "1", "W_1_2", 1)).ok  # (closed)
+    conn.__exit__(None, None, None)  # (idempotent)
 
 
 async def test_get_missing_returns_none(store: Store) -> None:

@@ -87,16 +87,26 @@ class ConnectorClosed(StoreError):
 class PutId(NamedTuple):
     """Which put's payload a handle names: the file it went to (a segment, or its edge's ring)
     and its frame there (the frame's generation in the segment, its position on the ring). A
-    later put may reuse the file (a consumed segment kept as a spare, a ring), never the pair."""
+    later put may reuse the file (a consumed segment kept as a spare, a ring), never the pair.
+    A ring frame's put names its ring's edge too, so a get by its handle finds the ring whatever
+    stages the get names (spec §2.4: the handle is used directly)."""
 
     on_ring: bool
     file: SegmentId
     frame: int
+    edge: str | None = None
 
-    def handle(self) -> dict[str, list[int]]:
-        """How a put's handle names it: ``"file"`` (a segment) or ``"frame"`` (a ring), each
-        ``[device, inode, frame]``."""
-        return {"frame" if self.on_ring else "file": [*self.file, self.frame]}
+    def handle(self) -> dict[str, Any]:
+        """How a put's handle names it: ``"file"`` (a segment) or ``"frame"`` (a ring, with its
+        ``"edge"``), each ``[device, inode, frame]``."""
+        if self.on_ring:
+            return {"frame": [*self.file, self.frame], "edge": self.edge}
+        return {"file": [*self.file, self.frame]}
+
+    def is_ring_frame(self, ring: Ring, frame: rings.Frame) -> bool:
+        """Whether this put's payload is ``frame`` of ``ring`` (not a later put's at the same
+        position of a ring made again)."""
+        return self.on_ring and self.file == ring.memory.identity and self.frame == frame.pos
 
 
 def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
@@ -118,7 +128,8 @@ def resolve_get(get_key: str, metadata: object) -> tuple[str, PutId | None]:
     for kind in ("file", "frame"):
         named = shm.get(kind)
         if isinstance(named, list) and len(named) == 3 and all(type(n) is int for n in named):
-            return key, PutId(kind == "frame", (named[0], named[1]), named[2])
+            edge = shm.get("edge") if kind == "frame" and isinstance(shm.get("edge"), str) else None
+            return key, PutId(kind == "frame", (named[0], named[1]), named[2], edge)
     return key, None
 
 
@@ -329,7 +340,7 @@ class ShmConnector:
             # release it), so a put waiting for room is told now, not at its deadline.
             self._ring_keys.pop(key, None)
             self._release_if_free(ring, edge)
-        return PutId(True, ring.memory.identity, reserved.pos)
+        return PutId(True, ring.memory.identity, reserved.pos, edge)
 
     async def _wait_for_room(self, edge: str, generation: int | None, timeout: float) -> bool:
         """Until a reader of ``edge``'s ring released space (or ``timeout``); without wakeups,
@@ -600,19 +611,22 @@ class ShmConnector:
         await k.point("shm.get.begin", key=key)
         if self._closed:
             return None  # (a closed connector maps nothing again: what it mapped, it let go)
-        ring = self._receive_ring(from_stage, to_stage) if self.receive_ring else None
+        edge = rings.edge_name(from_stage, to_stage)
+        if put is not None and put.on_ring and put.edge is not None:
+            edge = put.edge  # (a handle finds its ring whether or not this connector reads rings)
+        ring = self._receive_ring(edge) if self.receive_ring or (put is not None and put.on_ring) else None
         if ring is not None and not ring.lacks(key):
             try:
                 async with locked(ring.memory, wait_s=rings.LOCK_WAIT_S, key=key):
                     frame = ring.find(key)
                     if frame is not None:
-                        if put is not None and put != PutId(True, ring.memory.identity, frame.pos):
+                        if put is not None and not put.is_ring_frame(ring, frame):
                             return None  # the key's payload now is a later put's
-                        return await self._take_from_ring(ring, frame, claim, rings.edge_name(from_stage, to_stage))
+                        return await self._take_from_ring(ring, frame, claim, edge)
             except rings.RingBusy:
                 pass  # another reader is copying out: the key may be in a segment all the same
             except rings.RingCorrupt as e:
-                self._retire_corrupt(ring, rings.edge_name(from_stage, to_stage), e)
+                self._retire_corrupt(ring, edge, e)
         # One store for the whole get: a producer restarted meanwhile moves ``upstream`` to its
         # new namespace, and the lock and segment of this key are the old one's.
         store = self.upstream
@@ -710,10 +724,9 @@ class ShmConnector:
         k.note("shm.get.unlocked", key=key)
         return self._taken(key, obj, frame.payload_len, error)
 
-    def _receive_ring(self, from_stage: str, to_stage: str) -> Ring | None:
-        """The producer's ring of this edge, if it has one this connector may read: made by the
+    def _receive_ring(self, edge: str) -> Ring | None:
+        """The producer's ring of ``edge``, if it has one this connector may read: made by the
         owner of the producer's namespace and not retired (a replaced producer's old ring)."""
-        edge = rings.edge_name(from_stage, to_stage)
         cached = self._receive_rings.get(edge)
         if cached is not None:
             store, ring = cached
@@ -979,6 +992,19 @@ class ShmConnector:
         """``async with`` closes the connector (upstream's ``__exit__``: closing may wait here)."""
         await self.close()
 
+    def __enter__(self) -> ShmConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A plain ``with`` closes the connector too (spec §2.1), for code that cannot await: what
+        :meth:`close` removes, without its yield point before each key."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._pending_keys):
+            self._remove_payload(key)
+        self._let_go()
+
     async def close(self) -> None:
         """Remove every tracked key, unread ones included. Idempotent."""
         if self._closed:
@@ -986,6 +1012,10 @@ class ShmConnector:
         self._closed = True
         for key in list(self._pending_keys):
             await self.cleanup(key)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """The end of a close, once its keys are removed: the spares, the rings and the wakeups."""
         for name in self.store.spares():
             try:
                 self.store.remove_spare(name)
