@@ -11,11 +11,20 @@ from omnisim.base import UsageError
 
 Checker = Callable[[ObservedWorld], list[str]]
 
+#: How ``no-crash`` says where a crash was raised when that was not in the runtime.
+RAISED_OUTSIDE_THE_RUNTIME = "raised outside the runtime"
+
 
 @dataclass(frozen=True)
 class Violation:
     invariant: str
     message: str
+
+    @property
+    def is_a_slip_of_the_world(self) -> bool:
+        """A crash of code outside the runtime (the scenario's, the harness's, a test's): its
+        world's own slip, never a failure of the runtime."""
+        return self.invariant == "no-crash" and RAISED_OUTSIDE_THE_RUNTIME in self.message
 
     def as_dict(self) -> dict[str, str]:
         return {"invariant": self.invariant, "message": self.message}

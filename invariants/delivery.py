@@ -7,7 +7,7 @@ import re
 import sysconfig
 
 import runtime
-from invariants import invariant
+from invariants import RAISED_OUTSIDE_THE_RUNTIME, invariant
 from invariants.observed import ObservedWorld
 
 
@@ -107,7 +107,7 @@ def _not_the_runtimes(traceback: str) -> str:
     places = [(path, line) for path, line in _RAISED_AT.findall(traceback) if not _in_a_library(path)]
     if not places or places[-1][0].startswith(_RUNTIME):
         return ""
-    return f" (raised outside the runtime, at {places[-1][0]}:{places[-1][1]})"
+    return f" ({RAISED_OUTSIDE_THE_RUNTIME}, at {places[-1][0]}:{places[-1][1]})"
 
 
 _RUNTIME = os.path.dirname(runtime.__file__) + os.sep

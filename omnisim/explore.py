@@ -570,16 +570,29 @@ async def _shrink(
     seed: int,
     mutant: str | None,
     params: Params | None,
-    still_fails: Callable[[list[Violation]], bool],
+    counts: Callable[[list[Violation]], bool],
 ) -> Shrunk:
-    """The smallest schedule and fewest faults of ``found``'s world that still fail; recorded as
-    what it came from."""
+    """The smallest schedule and fewest faults of ``found``'s world that still fail as it did;
+    recorded as what it came from.
+
+    A smaller world must fail an invariant the find failed (one that ``counts``), and show no
+    slip of its own code that the find did not: one that fails for another reason — a check of
+    the scenario's that does not hold once a client is left out, a crash of the scenario's code
+    in a world without requests — is another failure, not this one made smaller."""
+    failed = {v.invariant for v in found.violations if counts([v])}
+    slipped = any(v.is_a_slip_of_the_world for v in found.violations)
+
+    def fails_as_found(res: RunResult) -> bool:
+        if not slipped and any(v.is_a_slip_of_the_world for v in res.violations):
+            return False
+        return any(v.invariant in failed for v in res.violations)
+
     shrunk = await shrink(
         found,
         lambda strategy, faults, left_out: run_once_async(
             scn, store, strategy, seed, mutant, params, faults, left_out=left_out
         ),
-        lambda res: still_fails(res.violations),
+        fails_as_found,
     )
     shrunk.run.strategy = found.strategy | {"shrunk": shrunk.as_dict()}
     return shrunk

@@ -8,7 +8,9 @@ deviation, and nearly every preemption is one. The shrinker first re-expresses t
 those terms (replaying its choices, so the first candidate fails exactly as found), then, as
 Hypothesis shrinks a choice sequence, tries smaller ones: drop every decision after the last
 deviation, drop a deviation, take an earlier candidate, remove a decision so the ones after it move
-up. A candidate is kept only if the same world (same seed) still fails an invariant that counts.
+up. A candidate is kept only if the same world (same seed) still fails as found: an invariant the
+find failed, and no slip of the world's own code (a crash raised outside the runtime) that the find
+did not show — a smaller world that fails for another reason is another failure.
 
 Then the faults, if one that the command line added (``--fault``, ``--faults sampled``) fired.
 Every fault that fired in the shrunk run, the scenario's own too, is re-expressed as a fixed one:

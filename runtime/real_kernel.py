@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import outcome
 import trio
 
 from runtime.kernel import Attr, KTaskGroup, use_kernel
@@ -25,6 +26,22 @@ def run(fn: Callable[..., Awaitable[T]], *args: object, compute_in_threads: bool
     point); see :class:`RealKernel` for ``compute_in_threads``."""
     with use_kernel(RealKernel(compute_in_threads=compute_in_threads)):
         return trio.run(fn, *args)
+
+
+async def in_worker_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a trio worker thread, its answer handed over in a box the worker lets go of
+    before it returns, so the worker never holds the last reference to what ``fn`` made (its
+    value, or an exception whose traceback holds its frames). Trio's worker drops the answer it
+    returns only after the event loop has it: freed there, at the wrong moment, a tensor kills
+    the process — torch frees one with the GIL released, and a thread that takes the GIL back
+    while the interpreter exits is ended mid-free (``std::terminate``: SIGABRT, exit -6)."""
+    box: list[outcome.Outcome[T]] = []
+
+    def call() -> None:
+        box.append(outcome.capture(fn))
+
+    await trio.to_thread.run_sync(call)
+    return box.pop().unwrap()
 
 
 class _Signal:
@@ -130,7 +147,7 @@ class RealKernel:
     async def run_blocking(self, fn: Callable[[], T], *, cost: int = 0) -> T:
         if cost < OFFLOAD_BYTES:
             return fn()
-        return await trio.to_thread.run_sync(fn)
+        return await in_worker_thread(fn)
 
     def stream(self, sock: socket.socket) -> _Stream:
         return _Stream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
@@ -142,7 +159,7 @@ class RealKernel:
 
     async def compute(self, fn: Callable[[], T]) -> T:
         if self.compute_in_threads:
-            return await trio.to_thread.run_sync(fn)
+            return await in_worker_thread(fn)
         return fn()
 
     async def wait_readable(

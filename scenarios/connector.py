@@ -277,11 +277,18 @@ REFUSED, REFUSED_FRAMES = "F_1_0", 64
     "failed_cleanup",
     build=params_world,
     summary="the store refuses once (EACCES) to remove the segment of an unread chunk its connector cleans up: the "
-    "connector keeps the key and its reap removes the segment once the back-off is over; or another connector of the "
-    "stage puts the key again meanwhile, and the retry leaves that segment and its lock file to its reader",
+    "connector keeps the key and its reap removes the segment once the back-off is over; or the key is put again "
+    "meanwhile (by another connector of the stage, or by the same one: an id reused), and the retry leaves that "
+    "segment and its lock file to its reader",
     issue="spec §2.12 (a failed cleanup stays owned and is tried again; a cleanup removes only its own put's segment)",
     invariants=DATA_PLANE,
-    params=(Param("then", ("reap", "put_again"), "what follows the failed cleanup: the reap, or another put first"),),
+    params=(
+        Param(
+            "then",
+            ("reap", "put_again", "put_again_here"),
+            "what follows the failed cleanup: the reap, or first a put of the key by another connector or by its own",
+        ),
+    ),
 )
 async def failed_cleanup(world: World) -> None:
     k = current_kernel()
@@ -303,23 +310,26 @@ async def failed_cleanup(world: World) -> None:
     with contextlib.suppress(InjectedCrash):
         await talker.put(*edge, REFUSED, payload)
     await talker.cleanup(REFUSED)
-    if world.params["then"] == "put_again":
-        process = world.stages[TALKER].process
-        other = ShmConnector(store, stage_id=TALKER, wakeups=world.wakeups_of(process), **world.transport())
-        world.watch_connector(other)
+    if world.params["then"] != "reap":
+        putter = talker
+        if world.params["then"] == "put_again":
+            process = world.stages[TALKER].process
+            putter = ShmConnector(store, stage_id=TALKER, wakeups=world.wakeups_of(process), **world.transport())
+            world.watch_connector(putter)
         fired = len(world.fired_faults())
         again = None
         with contextlib.suppress(InjectedCrash):
-            again = await other.put(*edge, REFUSED, payload)
+            again = await putter.put(*edge, REFUSED, payload)
         await k.sleep(2 * CLEANUP_RETRY_S)
         talker.reap_consumed()  # (the retry, once its back-off is over)
         taken = None
         with contextlib.suppress(CorruptChunk):  # (an injected decode failure: consumed all the same)
             taken = await code2wav.get(*edge, REFUSED)
         put_ok = again is not None and again.ok and len(world.fired_faults()) == fired
-        message = f"the retry of the old cleanup of {REFUSED} removed another connector's segment of it"
+        message = f"the retry of the old cleanup of {REFUSED} removed the segment a later put of it made"
         world.probe("exact-key-ownership", not put_ok or taken is not None, message)
-        await other.close()
+        if putter is not talker:
+            await putter.close()
     else:
         await k.sleep(2 * CLEANUP_RETRY_S)
         talker.reap_consumed()

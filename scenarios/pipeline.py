@@ -22,6 +22,7 @@ import torch
 from invariants.observed import Stream
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
+from omnisim.sim_kernel import current_trace
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
@@ -219,7 +220,8 @@ async def shutdown_in_flight(world: World, clients_done: list[bool]) -> None:
     for rid in in_flight:
         listening = [s for s in world.streams.values() if s.external_req_id == rid and s.outcome == "open"]
         if len(listening) == 1:  # (two: an ended generation's client has not read its terminal yet)
-            listening[0].allowed_outcomes = frozenset({"shut down"})
+            # (a client that leaves after a few outputs may still read them before the terminal)
+            listening[0].allowed_outcomes = frozenset({"shut down"}) | (listening[0].allowed_outcomes & {"left"})
 
 
 def client_modalities(world: World) -> tuple[str, ...]:
@@ -496,3 +498,31 @@ async def pipeline_send_failure(world: World) -> None:
     failing.outcomes = frozenset({"failed"})
     healthy = Client(world, "healthy", SHORT, "H")
     await together(("F", failing.run), ("H", healthy.run))
+
+
+@pipeline_scenario(
+    "pipeline_send_failure_reused",
+    summary="a request's client goes away while the Thinker's put of one of its chunks fails, and the id is reused "
+    "at once: the give-up is the old generation's, read before its id is free, and never fails the new one",
+    issue="#4855 R1.2, spec §2.11",
+    params=(AUDIO_MODALITIES, SHUTDOWN),
+    faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_0_1"})], seed),
+)
+async def pipeline_send_failure_reused(world: World) -> None:
+    # It leaves about when its Thinker puts chunk 1: before the put, while it is queued, or after it failed.
+    failing = Client(world, "failing", REMAINDER, "F", leave_after=3)
+    failing.outcomes = frozenset({"left", "failed"})
+    await failing.run()
+    again = Client(world, "failing.again", SHORT, "F")
+    await again.run()  # the same id at once
+    # A fault on F's keys licenses a failure of F (any generation: the checkers know ids, not
+    # generations); one that struck before the second generation was accepted was the first's.
+    trace = current_trace()
+    accepted = [e.index for e in trace if e.name == "orch.accepted" and e.attrs.get("req") == "F"]
+    struck = [e.index for e in trace if e.name == "fault" and str(e.attrs.get("key", "")).startswith("F_")]
+    if len(accepted) == 2 and struck and struck[0] < accepted[1]:
+        world.probe(
+            "terminal-delivered",
+            again.stream.outcome != "failed",
+            f"the first generation's give-up reached the reused id's second one: it failed ({again.stream.error})",
+        )

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -45,44 +46,66 @@ KEYS = [f"R_0_{i}" for i in range(len(PAYLOADS))]
 GET_DEADLINE_S = 10.0
 
 
-def killed_at(n: int | None, work: Callable[[], None]) -> int:
-    """Fork a child that runs ``work`` counting every line of ``runtime/connectors`` it executes,
-    and ends itself (as SIGKILL would) at the ``n``-th; None: it runs to the end. The lines it
-    ran, or -1 if it was killed."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: it never returns
-        os.close(read_end)
-        count = 0
+class Child:
+    """A forked child that runs ``work`` counting every line of ``runtime/connectors`` it executes,
+    and ends itself (as SIGKILL would) at the ``n``-th; None: it runs to the end."""
 
-        def on_line(frame: FrameType, event: str, arg: Any) -> Any:
-            nonlocal count
-            if event == "line":
-                count += 1
-                if count == n:
-                    os._exit(KILLED)
-            return on_line
+    def __init__(self, n: int | None, work: Callable[[], None]) -> None:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: it never returns
+            os.close(read_end)
+            count = 0
 
-        def on_call(frame: FrameType, event: str, arg: Any) -> Any:
-            return on_line if frame.f_code.co_filename.startswith(CONNECTORS) else None
+            def on_line(frame: FrameType, event: str, arg: Any) -> Any:
+                nonlocal count
+                if event == "line":
+                    count += 1
+                    if count == n:
+                        os._exit(KILLED)
+                return on_line
 
-        try:
-            sys.settrace(on_call)
-            work()
-            sys.settrace(None)
-            os.write(write_end, str(count).encode())
-            os._exit(0)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as reader:
-        reported = reader.read()
-    if os.waitstatus_to_exitcode(status) == KILLED:
-        return -1
-    assert os.waitstatus_to_exitcode(status) == 0, f"the child failed (status {status}) before line {n}"
-    return int(reported)
+            def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+                return on_line if frame.f_code.co_filename.startswith(CONNECTORS) else None
+
+            try:
+                sys.settrace(on_call)
+                work()
+                sys.settrace(None)
+                os.write(write_end, str(count).encode())
+                os._exit(0)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+        os.close(write_end)
+        self.n, self.pid, self.read_end = n, pid, read_end
+
+    def lines(self) -> int:
+        """Wait for the child: the lines it ran, or -1 if it was killed."""
+        _, status = os.waitpid(self.pid, 0)
+        with os.fdopen(self.read_end, "rb") as reader:
+            reported = reader.read()
+        if os.waitstatus_to_exitcode(status) == KILLED:
+            return -1
+        assert os.waitstatus_to_exitcode(status) == 0, f"the child failed (status {status}) before line {self.n}"
+        return int(reported)
+
+
+def killed_at_every_line(total: int, work_for: Callable[[int], Callable[[], None]]) -> Iterator[int]:
+    """A child killed at each line ``1..total`` of its ``work_for(n)``, each n yielded once its
+    child is dead; the next child runs meanwhile (the machine has two cores, a child one)."""
+
+    def dead(child: Child) -> int:
+        assert child.lines() == -1 and child.n is not None
+        return child.n
+
+    running: deque[Child] = deque()
+    for n in range(1, total + 1):
+        running.append(Child(n, work_for(n)))
+        if len(running) == 2:
+            yield dead(running.popleft())
+    while running:
+        yield dead(running.popleft())
 
 
 def names_of(namespace: str) -> list[str]:
@@ -117,7 +140,7 @@ async def get_each(conn: ShmConnector) -> list[str]:
 
 
 def lines_of(work: Callable[[], None]) -> int:
-    lines = killed_at(None, work)
+    lines = Child(None, work).lines()
     assert lines > 0
     return lines
 
@@ -138,11 +161,11 @@ def test_a_producer_killed_at_any_line_of_its_puts_leaves_only_what_the_sweep_re
     total = lines_of(produce(whole))
     assert trio.run(read_then_sweep, whole) == ["whole"] * len(KEYS)
     outcomes: set[str] = set()
-    for n in range(1, total + 1):
-        namespace = posix_store.new_namespace()
-        assert killed_at(n, produce(namespace)) == -1
-        outcomes.update(trio.run(read_then_sweep, namespace))
-        assert names_of(namespace) == [], f"killed at line {n} of {total}, the sweep left {names_of(namespace)}"
+    namespace_of = {n: posix_store.new_namespace() for n in range(1, total + 1)}
+    for n in killed_at_every_line(total, lambda n: produce(namespace_of[n])):
+        outcomes.update(trio.run(read_then_sweep, namespace_of[n]))
+        left = names_of(namespace_of[n])
+        assert left == [], f"killed at line {n} of {total}, the sweep left {left}"
     assert outcomes >= {"whole", "none"}  # (it died before and after chunks became readable)
 
 
@@ -166,19 +189,26 @@ def test_a_consumer_killed_at_any_line_of_its_gets_leaves_nothing_after_the_prod
         await producer.close()
         return seen
 
-    namespace = posix_store.new_namespace()
-    store = PosixStore(namespace, claim=True)
+    # A namespace and a producer for each line: the child killed at one line reads while the one
+    # before it is checked.
+    stores: dict[int, PosixStore] = {}
+    producers: dict[int, ShmConnector] = {}
+
+    def produced(n: int) -> Callable[[], None]:
+        stores[n] = PosixStore(posix_store.new_namespace(), claim=True)
+        producers[n] = trio.run(produce, stores[n])
+        return consume(stores[n].namespace)
+
     try:
-        producer = trio.run(produce, store)
-        total = lines_of(consume(namespace))
-        trio.run(read_then_clean_up, producer, namespace)
+        total = lines_of(produced(0))
+        trio.run(read_then_clean_up, producers[0], stores[0].namespace)
         outcomes: set[str] = set()
-        for n in range(1, total + 1):
-            producer = trio.run(produce, store)
-            assert killed_at(n, consume(namespace)) == -1
-            outcomes.update(trio.run(read_then_clean_up, producer, namespace))
-            left = [name for name in names_of(namespace) if not name.endswith("-owner")]
+        for n in killed_at_every_line(total, produced):
+            outcomes.update(trio.run(read_then_clean_up, producers.pop(n), stores[n].namespace))
+            left = [name for name in names_of(stores[n].namespace) if not name.endswith("-owner")]
             assert left == [], f"killed at line {n} of {total}, the producer's cleanups left {left}"
+            stores.pop(n).sweep()
         assert outcomes >= {"whole", "none"}
     finally:
-        store.sweep()
+        for store in stores.values():
+            store.sweep()

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import left_behind, shm_names
 
 from omnisim import registry
 from omnisim.explore import explore, replay
@@ -18,6 +23,33 @@ CLEAN_BUDGET = {"memory": 200, "posix": 40}
 MUTANT_BUDGET = 2000
 
 
+def _quiet_worker() -> None:
+    registry.load()
+    logging.getLogger("runtime").setLevel(logging.CRITICAL)
+
+
+def _clean_exploration(scenario: str, store: str, budget: int) -> tuple[int, list[dict[str, Any]]]:
+    res = explore(scenario, budget=budget, store=store)
+    return res.schedules, res.violations
+
+
+@pytest.fixture(scope="module")
+def clean_explorations() -> Iterator[dict[tuple[str, str], Future[tuple[int, list[dict[str, Any]]]]]]:
+    """Every scenario's clean exploration on every store, two at a time in worker processes (an
+    exploration is one thread; the machine has two cores), in the order the tests ask for them."""
+    before = shm_names()
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker) as pool:
+        yield {
+            (scenario, store): pool.submit(
+                _clean_exploration, scenario, store, registry.SCENARIOS[scenario].budget(CLEAN_BUDGET[store])
+            )
+            for scenario in sorted(registry.SCENARIOS)
+            for store in sorted(CLEAN_BUDGET)
+            if registry.SCENARIOS[scenario].unavailable(store) is None
+        }
+    assert left_behind(before) == []
+
+
 def test_the_race_table_is_registered() -> None:
     assert set(registry.SCENARIOS) >= set(RACE_TABLE)
     assert len(registry.MUTANTS) >= 15
@@ -25,14 +57,15 @@ def test_the_race_table_is_registered() -> None:
 
 @pytest.mark.parametrize("store", sorted(CLEAN_BUDGET))
 @pytest.mark.parametrize("scenario", sorted(registry.SCENARIOS))
-def test_scenario_is_clean_under_random_schedules(scenario: str, store: str) -> None:
+def test_scenario_is_clean_under_random_schedules(
+    scenario: str, store: str, clean_explorations: dict[tuple[str, str], Future[tuple[int, list[dict[str, Any]]]]]
+) -> None:
     why = registry.SCENARIOS[scenario].unavailable(store)
     if why is not None:
         pytest.skip(why)
-    budget = registry.SCENARIOS[scenario].budget(CLEAN_BUDGET[store])
-    res = explore(scenario, budget=budget, store=store)
-    assert res.schedules == budget
-    assert res.violations == []
+    schedules, violations = clean_explorations[scenario, store].result()
+    assert schedules == registry.SCENARIOS[scenario].budget(CLEAN_BUDGET[store])
+    assert violations == []
 
 
 @pytest.mark.parametrize("scenario", sorted(n for n in RACE_TABLE if registry.SCENARIOS[n].constraints))

@@ -18,6 +18,7 @@ from omnisim.shrink import _fewer, _Shrinker, _smaller, deviations, fired_faults
 from omnisim.strategies.dfs import DfsStrategy
 from omnisim.strategies.random import RandomStrategy
 from omnisim.strategies.replay import ReplayStrategy
+from omnisim.world import World
 
 registry.load()
 
@@ -191,3 +192,28 @@ def test_a_malformed_left_out_is_a_usage_error(tmp_path: Path) -> None:
     Path(entry["artifact"]).write_text(json.dumps(artifact))
     with pytest.raises(UsageError, match="'left_out' must be a list of client names"):
         replay(entry["artifact"])
+
+
+def test_a_smaller_world_that_fails_for_another_reason_is_not_the_find_made_smaller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shrink keeps a candidate only if it fails as the find did: an invariant the find failed,
+    and no slip of the scenario's own code that the find did not show. Here leaving out the
+    second client makes the scenario's code crash (and the find's invariant still fails): that
+    world is another failure, so the shrink leaves out the first client only."""
+    from scenarios.pipeline import SHORT, Client, pipeline_scenario, together
+
+    monkeypatch.setattr(registry, "SCENARIOS", dict(registry.SCENARIOS))  # (registered for this test only)
+
+    @pipeline_scenario("shrink_trap", summary="fails always; its own code slips without its second client", issue="-")
+    async def shrink_trap(world: World) -> None:
+        first, second = Client(world, "first", SHORT, "A"), Client(world, "second", SHORT, "B")
+        await together(("A", first.run), ("B", second.run))
+        world.probe("health-counts-true", False, "what the find is about")
+        assert not second.left_out, "the scenario's own slip"
+
+    text_only = {"modalities": "text", "async_chunk": "on", "shutdown": "idle"}
+    entry = explore("shrink_trap", budget=1, out_dir=str(tmp_path), params=text_only).violations[0]
+    assert entry["shrunk"]["clients_before"] == 2 and entry["shrunk"]["clients"] == 1
+    assert json.loads(Path(entry["artifact"]).read_text())["left_out"] == ["first"]
+    assert [v["invariant"] for v in entry["violations"]] == ["health-counts-true"]
