@@ -287,9 +287,14 @@ async def writer_crash_after_reuse(world: World) -> None:
         )
 
     await old_then_new()
-    # (no death: a fault added to the run failed a put of the old generation's first, so the
-    # kill, at the key's second put, never came)
-    new.stream.allowed_outcomes = frozenset({"failed" if world.death_time("stage1") is not None else "finished"})
+    if world.death_time("stage1") is None:
+        # No death: a fault added to the run failed a put of the old generation's first, so the
+        # kill, at the key's second put, never came. The live Talker ends the request.
+        new.stream.allowed_outcomes = frozenset({"finished"})
+        await new.talker.adapter.finish_requests([new.sender])
+        await new.talker.adapter.release_shm_resources(new.ext)
+    else:
+        new.stream.allowed_outcomes = frozenset({"failed"})
     await world.sweep_dead()
 
 
