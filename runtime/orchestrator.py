@@ -468,14 +468,20 @@ class Orchestrator:
 
     def _check_failures(self) -> None:
         """A stage that gave up sending a chunk (#4855 R1.2), or received one that was corrupt,
-        names the stage request: fail its request."""
+        names the stage request: fail its request. If another stage of the request is dead, its
+        death is the cause (the stage that failed it noticed first: the chunks stopped coming)."""
         for sid, stage in self.stages.items():
             for request_id, reason in stage.collect_failures():
                 state = self._by_stage_request.get((sid, request_id))
                 if state is None:
                     log.warning("failure of unknown request %s: %s", request_id, reason)
                     continue
-                self._fail(state, f"stage {stage.spec.name} {reason}")
+                failure = f"stage {stage.spec.name} {reason}"
+                dead = [self.stages[s].spec.name for s in state.stage_requests if not self.stages[s].health()["alive"]]
+                if dead:
+                    state.outlived_a_stage = True
+                    failure = f"stage {dead[0]} died ({failure})"
+                self._fail(state, failure)
 
     # -- introspection ----------------------------------------------------------------------------
 
