@@ -271,22 +271,19 @@ async def writer_crash_after_reuse(world: World) -> None:
     old = EdgeRequest(world, "R", "old")
     new = EdgeRequest(world, "R", "new")
 
-    async def old_then_new() -> None:
-        await in_process(
-            [(MAIN_PROCESS, "old.consume", lambda: receive(old)), ("stage1", "old.produce", lambda: send(old, [25]))]
-        )
-        await old.talker.adapter.finish_requests([old.sender])
-        await old.talker.adapter.release_shm_resources(old.ext)
-        # The new generation's chunk 0 has the old one's size (its spare fits it byte for byte)
-        # and other frames, so the old chunk handed out again is told from it.
-        await in_process(
-            [
-                (MAIN_PROCESS, "new.consume", lambda: receive(new)),
-                ("stage1", "new.produce", lambda: send(new, [25, 10], first_frame=100)),
-            ]
-        )
-
-    await old_then_new()
+    await in_process(
+        [(MAIN_PROCESS, "old.consume", lambda: receive(old)), ("stage1", "old.produce", lambda: send(old, [25]))]
+    )
+    await old.talker.adapter.finish_requests([old.sender])
+    await old.talker.adapter.release_shm_resources(old.ext)
+    # The new generation's chunk 0 has the old one's size (its spare fits it byte for byte) and
+    # other frames, so the old chunk handed out again is told from it.
+    await in_process(
+        [
+            (MAIN_PROCESS, "new.consume", lambda: receive(new)),
+            ("stage1", "new.produce", lambda: send(new, [25, 10], first_frame=100)),
+        ]
+    )
     if world.death_time("stage1") is None:
         # No death: a fault added to the run failed a put of the old generation's first, so the
         # kill, at the key's second put, never came. The live Talker ends the request.

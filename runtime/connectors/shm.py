@@ -34,7 +34,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from runtime.connectors import ring as rings
@@ -611,10 +611,10 @@ class ShmConnector:
         await k.point("shm.get.begin", key=key)
         if self._closed:
             return None  # (a closed connector maps nothing again: what it mapped, it let go)
-        edge = rings.edge_name(from_stage, to_stage)
-        if put is not None and put.on_ring and put.edge is not None:
-            edge = put.edge  # (a handle finds its ring whether or not this connector reads rings)
-        ring = self._receive_ring(edge) if self.receive_ring or (put is not None and put.on_ring) else None
+        # (a ring frame's handle finds its ring whether or not this connector reads rings)
+        by_ring_handle = put is not None and put.on_ring
+        edge = put.edge if put is not None and put.edge is not None else rings.edge_name(from_stage, to_stage)
+        ring = self._receive_ring(edge) if self.receive_ring or by_ring_handle else None
         if ring is not None and not ring.lacks(key):
             try:
                 async with locked(ring.memory, wait_s=rings.LOCK_WAIT_S, key=key):
@@ -998,24 +998,21 @@ class ShmConnector:
     def __exit__(self, *exc: object) -> None:
         """A plain ``with`` closes the connector too (spec §2.1), for code that cannot await: what
         :meth:`close` removes, without its yield point before each key."""
-        if self._closed:
-            return
-        self._closed = True
-        for key in list(self._pending_keys):
+        for key in self._closing():
             self._remove_payload(key)
-        self._let_go()
 
     async def close(self) -> None:
         """Remove every tracked key, unread ones included. Idempotent."""
+        for key in self._closing():
+            await self.cleanup(key)
+
+    def _closing(self) -> Iterator[str]:
+        """A close: each tracked key for the caller to remove, then (once it removed them all) the
+        spares, the rings and the wakeups are let go. Nothing if the connector is closed already."""
         if self._closed:
             return
         self._closed = True
-        for key in list(self._pending_keys):
-            await self.cleanup(key)
-        self._let_go()
-
-    def _let_go(self) -> None:
-        """The end of a close, once its keys are removed: the spares, the rings and the wakeups."""
+        yield from list(self._pending_keys)
         for name in self.store.spares():
             try:
                 self.store.remove_spare(name)
