@@ -571,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI-compatible server (chat completions with audio, speech over SSE and WebSocket)",
         description="Serve the pipeline over HTTP with vLLM-Omni's serving contract: POST /v1/chat/completions, "
         "POST /v1/audio/speech (SSE or raw streaming, word timestamps), WS /v1/audio/speech/stream, GET /v1/models, "
-        "/health, /metrics, and a page at / that speaks what you type. Ctrl-C stops it gracefully.",
+        "/health, /metrics, and a page at / that speaks what you type. Ctrl-C or SIGTERM stops it gracefully "
+        "(a background job of a script is started with SIGINT ignored, as every such job: stop it with SIGTERM).",
         epilog=_examples(
             "omnisim serve",
             "omnisim serve --port 8001 --processes",

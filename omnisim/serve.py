@@ -105,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
                         # The engine first: every request in flight ends now with an error terminal
                         # its client is sent, so the server's graceful wait for them is short.
                         engine.shutdown(f"the server was stopped ({signal.Signals(signum).name})")
+                        server.stop()  # (its WebSocket sessions close: going away)
                         stop.set()
                         return
 

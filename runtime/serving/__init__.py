@@ -42,9 +42,14 @@ class RequestRejected(ValueError):
 
 
 def json_type(value: object) -> str:
-    """What a client sent, named as JSON names it (``null``, not ``NoneType``)."""
+    """What a client sent, named as JSON names it (``null``, not ``NoneType``); a number by its
+    value where that is short (``-5``: it was out of range)."""
     kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return kinds.get(type(value), "a number")
+    if type(value) in kinds:
+        return kinds[type(value)]
+    if isinstance(value, float) or (isinstance(value, int) and abs(value) < 10**15):
+        return repr(value)
+    return "a number"
 
 
 def check_input_text(text: object) -> str:

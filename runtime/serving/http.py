@@ -26,6 +26,8 @@ import anyio
 import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
@@ -76,6 +78,13 @@ class Server:
         self.model_name = model_name
         self.metrics = ServingMetrics(engine, store)
         self.created = int(_wall_clock())
+        #: Set when the server stops: a WebSocket session waiting for its client's next message
+        #: is closed (1001, going away) instead of being dropped at the graceful timeout.
+        self._stopping = anyio.Event()
+
+    def stop(self) -> None:
+        """The server is stopping (the engine has ended every request in flight already)."""
+        self._stopping.set()
 
     def app(self) -> Starlette:
         routes = [
@@ -91,7 +100,9 @@ class Server:
             Route("/v1/audio/speech/stream", _websocket_only, methods=["GET", "POST"]),
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
-        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+        # Any origin, as upstream's server allows by default: a page served elsewhere may call it.
+        cors = Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=[cors])  # type: ignore[arg-type]
 
     # -- plain endpoints ----------------------------------------------------------------------
 
@@ -290,8 +301,10 @@ class Server:
         utterance = 0
         try:
             while True:
-                message = inbox.popleft() if inbox else await _next_message(ws)
+                message = inbox.popleft() if inbox else await self._next_message_or_stop(ws)
                 if message is None:
+                    if self._stopping.is_set():
+                        await ws.close(code=1001)
                     return
                 kind = message.get("type")
                 try:
@@ -337,6 +350,21 @@ class Server:
                     await ws.send_json({"type": "error", "message": str(e)})
         except WebSocketDisconnect:
             return
+
+    async def _next_message_or_stop(self, ws: WebSocket) -> dict[str, Any] | None:
+        """The session's next message; None once the client disconnected or the server stops."""
+        message: dict[str, Any] | None = None
+        async with anyio.create_task_group() as race:
+
+            async def receive() -> None:
+                nonlocal message
+                message = await _next_message(ws)
+                race.cancel_scope.cancel()
+
+            race.start_soon(receive)
+            await self._stopping.wait()
+            race.cancel_scope.cancel()
+        return message
 
     async def _speak(
         self, ws: WebSocket, config: SessionConfig, text: str, utterance: int, inbox: deque[dict[str, Any]]
@@ -414,6 +442,7 @@ class Server:
             audio = b"".join(held)
             header = wav_header(SAMPLE_RATE, len(audio)) if config.response_format == "wav" else b""
             await ws.send_bytes(header + audio)
+            sent += len(header)  # (the bytes the client got: its frame is a WAV file)
         if config.word_timestamps:
             final = {"type": "audio.chunk", **where, **_chunk_span(chunks, 0, sent), "audio_b64": ""}
             await ws.send_json(final | {"timestamps": _timestamps(stamps)})

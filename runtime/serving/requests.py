@@ -6,6 +6,7 @@ shape and a 4xx status, never a 500 and never a half-started request."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,27 +60,37 @@ def _is_object(v: Any) -> bool:
     return isinstance(v, dict)
 
 
+def _number_in(low: float, high: float = math.inf, *, above: bool = False) -> Callable[[Any], bool]:
+    """A number from ``low`` (or above it) up to ``high`` (a NaN is in no range)."""
+    return lambda v: _is_number(v) and (low < v if above else low <= v) and v <= high
+
+
+def _int_from(low: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and v >= low
+
+
 #: Sampling and bookkeeping fields OpenAI's and vLLM's clients send that this pipeline has no use
-#: for: accepted (a client setting ``temperature`` must not fail) with their types checked, as
-#: upstream checks them, and without effect.
+#: for: accepted (a client setting ``temperature`` must not fail) with their types and ranges
+#: checked, as vLLM checks them (an out-of-range value is a client's mistake: a 400 says so),
+#: and without effect.
 _CHAT_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "top_k": (_is_int, "an integer"),
-    "min_p": (_is_number, "a number"),
-    "max_tokens": (_is_int, "an integer"),
-    "max_completion_tokens": (_is_int, "an integer"),
-    "min_tokens": (_is_int, "an integer"),
+    "temperature": (_number_in(0), "a number >= 0"),
+    "top_p": (_number_in(0, 1, above=True), "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and (v >= 1 or v in (0, -1)), "an integer >= 1 (0 or -1: off)"),
+    "min_p": (_number_in(0, 1), "a number in [0, 1]"),
+    "max_tokens": (_int_from(1), "an integer >= 1"),
+    "max_completion_tokens": (_int_from(1), "an integer >= 1"),
+    "min_tokens": (_int_from(0), "an integer >= 0"),
     "seed": (_is_int, "an integer"),
     "user": (_is_str, "a string"),
     "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(_is_str, v))), "a string or strings"),
-    "presence_penalty": (_is_number, "a number"),
-    "frequency_penalty": (_is_number, "a number"),
-    "repetition_penalty": (_is_number, "a number"),
+    "presence_penalty": (_number_in(-2, 2), "a number in [-2, 2]"),
+    "frequency_penalty": (_number_in(-2, 2), "a number in [-2, 2]"),
+    "repetition_penalty": (_number_in(0, above=True), "a number > 0"),
     "ignore_eos": (_is_bool, "a boolean"),
     "logit_bias": (_is_object, "an object"),
     "logprobs": (_is_bool, "a boolean"),
-    "top_logprobs": (_is_int, "an integer"),
+    "top_logprobs": (lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]"),
     "metadata": (_is_object, "an object"),
     "store": (_is_bool, "a boolean"),
     "service_tier": (_is_str, "a string"),
@@ -321,8 +332,16 @@ def parse_speech(raw: object) -> SpeechRequest:
 
 #: The most items one ``/v1/audio/speech/batch`` request may hold (upstream's default limit).
 MAX_BATCH_ITEMS = 32
-#: What an item of a batch can never ask for: each is spoken whole, without headers to carry timestamps.
+#: What an item of a batch can never ask for: each is spoken whole, without headers to carry
+#: timestamps. Asked for anyway, the batch is refused (a silent ignore would surprise a client).
 _NOT_IN_BATCH = ("stream", "stream_format", "word_timestamps")
+
+
+def _refuse_in_batch(fields: Mapping[str, Any], where: str) -> None:
+    for name in _NOT_IN_BATCH:
+        if fields.get(name) not in (None, False):
+            param = f"{where}.{name}" if where else name
+            raise ApiError(f"'{param}': a batch answers each item whole, without streams or timestamps", param=param)
 
 
 @dataclass(frozen=True)
@@ -351,10 +370,12 @@ def parse_speech_batch(raw: object) -> SpeechBatch:
     if len(items) > MAX_BATCH_ITEMS:
         raise ApiError(f"the batch holds {len(items)} items; at most {MAX_BATCH_ITEMS} are allowed", param="items")
     shared = {k: v for k, v in body.items() if k != "items" and v is not None}
+    _refuse_in_batch(shared, "")
     parsed = []
     for i, item in enumerate(items):
         if not isinstance(item, dict) or "input" not in item:
             raise ApiError(f"items[{i}] must be an object with an 'input'", param=f"items[{i}]")
+        _refuse_in_batch(item, f"items[{i}]")
         merged = shared | {k: v for k, v in item.items() if v is not None}
         for name in _NOT_IN_BATCH:
             merged.pop(name, None)
