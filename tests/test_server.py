@@ -401,6 +401,13 @@ def test_health_and_metrics(server: Running) -> None:
         # What a batch cannot honour is refused, not ignored (found by an outside audit)
         ("/v1/audio/speech/batch", json.dumps({"items": [{"input": "hi"}], "stream": True}).encode(), 400),
         ("/v1/audio/speech/batch", json.dumps({"items": [{"input": "hi", "word_timestamps": True}]}).encode(), 400),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}
+            ).encode(),
+            400,
+        ),
         # Out of range as vLLM checks them (found by an outside audit with the openai client: a 200)
         (
             "/v1/chat/completions",
@@ -785,6 +792,7 @@ def test_a_batch_whose_client_went_away_aborts_every_item(server: Running) -> No
     items = [{"input": f"item {i} " + "words " * 400} for i in range(4)]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/audio/speech/batch", json={"items": items}, timeout=httpx.Timeout(60, read=0.5))
+
     def thinking() -> float:
         return _metric(server, 'omnisim_stage_requests{stage="thinker"}')
 

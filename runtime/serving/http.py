@@ -689,8 +689,21 @@ async def _json_body(request: Request) -> object:
             raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
     try:
         return _strict_json(body)
-    except (ValueError, RecursionError) as e:  # (not JSON or UTF-8; an integer too long, nesting too deep)
-        raise ApiError(f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(f"the request body is not valid JSON: {_why_not_json(e)}") from None
+
+
+def _why_not_json(error: ValueError | RecursionError) -> str:
+    """What was wrong with a body, in a client's terms (not Python's)."""
+    if isinstance(error, json.JSONDecodeError):
+        return str(error)  # (where it broke: "Expecting value: line 1 column 1 (char 0)")
+    if isinstance(error, UnicodeDecodeError):
+        return "it is not UTF-8"
+    if isinstance(error, RecursionError):
+        return "it is nested too deeply"
+    if "integer string conversion" in str(error):
+        return "a number in it has too many digits"
+    return str(error)[:200]  # (NaN or Infinity, which JSON does not have)
 
 
 def _chunk_span(chunk_id: int, start_byte: int, nbytes: int) -> dict[str, int]:

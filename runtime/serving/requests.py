@@ -247,13 +247,17 @@ def parse_chat(raw: object) -> ChatRequest:
     if _field(body, "n", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", 1) != 1:
         raise ApiError("'n' must be 1: one answer per request", param="n")
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    # (OpenAI's and upstream's default: a stream has no usage-only chunk unless asked)
+    include_usage = _field(options, "include_usage", _is_bool, "a boolean", False, within="stream_options")
+    stream = _field(body, "stream", _is_bool, "a boolean", False)
+    if options and not stream:  # (as OpenAI and vLLM refuse it)
+        raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return ChatRequest(
         text=_text(said[-1], "messages"),
         modalities=tuple(modalities),
         audio_format=audio_format,
-        stream=_field(body, "stream", _is_bool, "a boolean", False),
-        # (OpenAI's and upstream's default: a stream has no usage-only chunk unless asked)
-        include_usage=_field(options, "include_usage", _is_bool, "a boolean", False, within="stream_options"),
+        stream=stream,
+        include_usage=include_usage,
         model=_field(body, "model", _is_str, "a string", None),
     )
 
