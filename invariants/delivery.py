@@ -91,6 +91,20 @@ def streamed_as_made(world: ObservedWorld) -> list[str]:
     ]
 
 
+@invariant(
+    "failures-claimed",
+    "every failure a stage reports (a chunk it gave up sending, or could not receive) is read while the request "
+    "it names is still known: one read after the request's id was freed is lost, or fails the id's next generation",
+)
+def failures_claimed(world: ObservedWorld) -> list[str]:
+    return [
+        f"stage {ev.attrs['stage']} failed {ev.attrs['req']} ({ev.attrs['reason']}), read after its request was "
+        f"released (event {ev.index}): no request heard of it"
+        for ev in world.trace
+        if ev.name == "orch.failure_unclaimed"
+    ]
+
+
 @invariant("no-crash", "no runtime task dies with an exception")
 def no_crash(world: ObservedWorld) -> list[str]:
     return [f"task {task} crashed: {_last_line(tb)}{_not_the_runtimes(tb)}" for task, tb in world.crashes]

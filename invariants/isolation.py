@@ -32,7 +32,7 @@ def fault_isolation(world: ObservedWorld) -> list[str]:
             continue
         if "failed" not in world.allowed_outcomes(s):
             out.append(f"request {s.request_id} failed ({s.error}) though it was not bound to a stage that died")
-        elif s.external_req_id in world.faulted_requests:
+        elif world.faulted(s):
             continue  # an injected fault hit it: it may fail of that, naming no stage
         elif s.terminals != 1:
             out.append(f"request {s.request_id} got {s.terminals} error terminals")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -136,6 +137,9 @@ class Stream:
     #: Its sender is finished externally with chunks queued: they may be vetoed, so the frames
     #: that arrive need not be all of them (only the terminal must come).
     vetoable: bool = False
+    #: Where an engine accepted it: the index of its ``orch.accepted`` note, which starts its
+    #: generation of the id (None where no engine is in the world, or it was never accepted).
+    accepted_at: int | None = None
 
     @property
     def frames_received(self) -> int:
@@ -160,17 +164,39 @@ class ObservedWorld:
         """What ``stream`` may end with: what its scenario expects, and "failed" too once an
         injected fault hit one of its request's keys (a fault may fail the request it hits,
         never another one, and never make it hang or finish with a gap)."""
-        if stream.external_req_id in self.faulted_requests:
+        if self.faulted(stream):
             return stream.allowed_outcomes | {"failed"}
         return stream.allowed_outcomes
 
+    def faulted(self, stream: Stream) -> bool:
+        """Whether an injected fault hit one of the keys (``{id}_{stage}_{chunk}``) of the
+        stream's request — of its own generation of the id where an engine accepted it: from its
+        ``orch.accepted`` note up to the next one of the id (a fault that struck an id's earlier
+        generation licenses no failure of a later one)."""
+        struck = self._faults_by_request.get(stream.external_req_id, [])
+        if stream.accepted_at is None:
+            return bool(struck)
+        later = [i for i in self._accepted_by_request[stream.external_req_id] if i > stream.accepted_at]
+        ends = later[0] if later else math.inf
+        return any(stream.accepted_at < i < ends for i in struck)
+
     @functools.cached_property
-    def faulted_requests(self) -> frozenset[str]:
-        """The external request ids whose chunk keys (``{id}_{stage}_{chunk}``) an injected
-        fault hit."""
-        return frozenset(
-            external_id_of(str(e.attrs["key"])) for e in self.trace if e.name == "fault" and "key" in e.attrs
-        )
+    def _faults_by_request(self) -> dict[str, list[int]]:
+        """Where injected faults hit each request id's keys (trace indices)."""
+        by_request: dict[str, list[int]] = {}
+        for e in self.trace:
+            if e.name == "fault" and "key" in e.attrs:
+                by_request.setdefault(external_id_of(str(e.attrs["key"])), []).append(e.index)
+        return by_request
+
+    @functools.cached_property
+    def _accepted_by_request(self) -> dict[str, list[int]]:
+        """Where an engine accepted each request id (trace indices): its generations' starts."""
+        by_request: dict[str, list[int]] = {}
+        for e in self.trace:
+            if e.name == "orch.accepted":
+                by_request.setdefault(str(e.attrs["req"]), []).append(e.index)
+        return by_request
 
     def missed_expectations(self, event: str) -> list[TraceEvent]:
         """The ``event`` notes whose ``got`` is not their ``want``: a scenario that states a

@@ -104,6 +104,10 @@ POINTS: dict[str, tuple[str, str]] = {
     ),
     "stage.died": ("note", "a stage's supervisor found its life dead (exited, or silent too long) [stage, reason]"),
     "orch.fail": ("note", "the orchestrator failed a request (send failure, input deadline) [req, reason]"),
+    "orch.failure_unclaimed": (
+        "note",
+        "a stage reported a failure of a stage request the orchestrator no longer knows [stage, req, reason]",
+    ),
     "scenario.client.wait": ("point", "a scenario's client lets time pass before it disconnects [req]"),
     "orch.reregister": ("point", "a scenario re-registers a request id that was just cleaned up [req]"),
     "mutant.window": ("point", "a window a mutant opens where the correct code has none [ext]"),

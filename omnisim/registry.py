@@ -54,6 +54,7 @@ DEFAULT_INVARIANTS = (
     "ring-writes-locked",
     "answered-leaves-nothing-unread",
     "streamed-as-made",
+    "failures-claimed",
 )
 
 

@@ -724,6 +724,13 @@ class SimKernel:
         raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")
 
 
+def current_task_name() -> str:
+    """The name of the simulated task that is running (its events' ``task``)."""
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel), "only a simulated run has tasks of its own"
+    return kernel._me().name
+
+
 def current_trace() -> list[TraceEvent]:
     """The running simulation's trace so far (for the harness's checks made as it runs)."""
     kernel = current_kernel()

@@ -304,7 +304,8 @@ class Orchestrator:
         # finished, and the request fails (the caller completes it once the others stopped).
         if not stage.health()["alive"]:
             state.finished_stages.add(stage_id)
-            self._fail(state, Unavailable(f"stage {stage.spec.name} is down (its process died)"))
+            state.outlived_a_stage = True
+            self._fail(state, f"stage {stage.spec.name} is down (its process died)")
             return
         try:
             stage.submit(request, payload, sends=stage_id < state.final_stage_id)
@@ -370,7 +371,13 @@ class Orchestrator:
     # -- ending -----------------------------------------------------------------------------------
 
     def _fail(self, state: RequestState, reason: str) -> None:
+        """Fail the request, once. If one of its stages is dead, that death is the cause, whichever
+        stage failed it first (the chunks it waited for stopped coming, or came half-written)."""
         if state.error is None and not state.closed:
+            dead = [self.stages[s].spec.name for s in state.stage_requests if not self.stages[s].health()["alive"]]
+            if dead and not state.outlived_a_stage:
+                state.outlived_a_stage = True
+                reason = f"stage {dead[0]} died ({reason})"
             log.warning("request %s failed: %s", state.request_id, reason)
             current_kernel().note("orch.fail", req=state.request_id, reason=reason)
             state.error = Unavailable(reason) if state.outlived_a_stage else reason
@@ -455,8 +462,13 @@ class Orchestrator:
             # one sent to a stage that never asks for it (#7245's orphans) is a bug of ours.
             log.warning("request %s was answered, yet %d of its chunks were never read", state.request_id, reclaimed)
         current_kernel().note("orch.released", req=state.request_id, answered=state.answered, reclaimed=reclaimed)
-        # A give-up of this generation was recorded before its sweep ran (same save FIFO): read it
-        # now, while the stage request ids still name this generation and not a reuse of the id.
+        self._forget(state)
+
+    def _forget(self, state: RequestState) -> None:
+        """Free the request's id for reuse."""
+        # A give-up of this generation may have been recorded after the request ended, before its
+        # sweep ran (same save FIFO): read it now, while the stage request ids still name this
+        # generation and not a reuse of the id.
         self._check_failures()
         for sid, request in state.stage_requests.items():
             self._by_stage_request.pop((sid, request.request_id), None)
@@ -468,20 +480,15 @@ class Orchestrator:
 
     def _check_failures(self) -> None:
         """A stage that gave up sending a chunk (#4855 R1.2), or received one that was corrupt,
-        names the stage request: fail its request. If another stage of the request is dead, its
-        death is the cause (the stage that failed it noticed first: the chunks stopped coming)."""
+        names the stage request: fail its request."""
         for sid, stage in self.stages.items():
             for request_id, reason in stage.collect_failures():
                 state = self._by_stage_request.get((sid, request_id))
                 if state is None:
                     log.warning("failure of unknown request %s: %s", request_id, reason)
+                    current_kernel().note("orch.failure_unclaimed", stage=sid, req=request_id, reason=reason)
                     continue
-                failure = f"stage {stage.spec.name} {reason}"
-                dead = [self.stages[s].spec.name for s in state.stage_requests if not self.stages[s].health()["alive"]]
-                if dead:
-                    state.outlived_a_stage = True
-                    failure = f"stage {dead[0]} died ({failure})"
-                self._fail(state, failure)
+                self._fail(state, f"stage {stage.spec.name} {reason}")
 
     # -- introspection ----------------------------------------------------------------------------
 

@@ -134,11 +134,10 @@ class ProcessStage(Supervised):
         return self.residue()
 
     def health(self) -> dict[str, Any]:
-        # A process that ended is not alive, whether or not the receive loop has seen its channel
-        # close yet: a request that another stage fails meanwhile (the chunks it waited for
-        # stopped coming) fails of this death.
-        ended = self._process is not None and self._process.returncode is not None
-        return super().health() | {"alive": self.alive and not ended, "pid": self.pid}
+        return super().health() | {"pid": self.pid}
+
+    def ended(self) -> bool:
+        return self._process is not None and self._process.returncode is not None
 
     async def _ask(self, message: dict[str, Any]) -> int | None:
         """Post ``message`` under a fresh token and wait for the process's answer to it; None if

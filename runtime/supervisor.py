@@ -103,7 +103,10 @@ class Supervised:
         self._stopping = True
 
     def health(self) -> dict[str, Any]:
-        return {"alive": self.alive, "namespace": self.namespace, "restarts": self.restarts}
+        # A life whose process ended is not alive, whether or not its watch has seen it yet: a
+        # request that another stage fails meanwhile (the chunks it waited for stopped coming)
+        # fails of this death, and a new one is not handed to the dead life.
+        return {"alive": self.alive and not self.ended(), "namespace": self.namespace, "restarts": self.restarts}
 
     # -- what a kind of life provides ---------------------------------------------------------------
 
@@ -113,6 +116,10 @@ class Supervised:
 
     async def bury(self) -> None:
         """Make sure the life found dead is dead: SIGKILL it, and wait until it is gone."""
+        raise NotImplementedError
+
+    def ended(self) -> bool:
+        """Whether the current life's process is gone (as ``waitpid`` tells a parent)."""
         raise NotImplementedError
 
     def new_namespace(self) -> str:
@@ -200,6 +207,9 @@ class LocalStage(Supervised):
     async def bury(self) -> None:
         if self.life is not None:
             self.life.kill()
+
+    def ended(self) -> bool:
+        return self.life is not None and self.life.exited()
 
     def new_namespace(self) -> str:
         return self._fresh()

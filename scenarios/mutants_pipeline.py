@@ -55,6 +55,28 @@ def final_output_held_whole() -> Iterator[Patch]:
 
 
 @mutant(
+    "give_up_read_after_free",
+    summary="a request's id is freed without reading the give-ups its stages recorded since it ended: a fenced "
+    "terminal that failed after the client left is read later, when no request knows it (or the id's next "
+    "generation has its stage request ids, and fails of it)",
+    issue="#4855 R1.2, spec §2.11 (found missed by an outside audit that planted it)",
+    scenarios=("pipeline_send_failure_reused",),
+    expect=("failures-claimed", "terminal-delivered"),
+)
+def give_up_read_after_free() -> Iterator[Patch]:
+    forget = Orchestrator._forget
+
+    def forget_unread(self: Orchestrator, state: RequestState) -> None:
+        self._check_failures = lambda: None  # type: ignore[method-assign]  # (for this call only: it never awaits)
+        try:
+            forget(self, state)
+        finally:
+            del self._check_failures
+
+    yield Patch(Orchestrator, "_forget", forget_unread)
+
+
+@mutant(
     "final_stage_sends_chunks",
     summary="every stage a request runs on sends chunks, its final-output stage too: a text-only answer's Thinker "
     "puts a chunk per token for a Talker that never asks for them, and only the release sweep removes them",

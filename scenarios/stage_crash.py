@@ -84,19 +84,24 @@ PROCESS_RUN: dict[str, Any] = {"invariants": ISOLATION, "horizon_s": 60.0, "budg
 
 
 def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
-    """A request failed once its stage's death was noticed is told that the engine is at fault,
-    not the request: Unavailable, which a server answers with 503 and Retry-After (the stage is
-    coming back). One that a survivor failed before the death was noticed (the half-written chunk
-    of its dead writer) is told what the survivor found, naming the stage only."""
-    noticed = first_event("orch.stage_died")
+    """A request failed after a stage process died is told that the engine is at fault, not the
+    request: Unavailable, which a server answers with 503 and Retry-After (the stage is coming
+    back) — also when a survivor failed it before the supervisor noticed the death (the dead
+    writer's half-written chunk, the chunks that stopped coming): the process is gone all the
+    same, as ``waitpid`` tells."""
+    deaths = [
+        e
+        for e in current_trace()
+        if e.name == "orch.stage_died" or (e.name == "process.killed" and str(e.attrs["process"]).startswith("stage"))
+    ]
     for client in clients:
         failed = first_event("orch.fail", req=client.request_id)
-        after_death = noticed is not None and failed is not None and failed.index > noticed.index
+        after_death = deaths and failed is not None and failed.index > deaths[0].index
         world.probe(
             "fault-isolation",
             client.stream.outcome != "failed" or not after_death or isinstance(client.stream.error, Unavailable),
-            f"{client.name} failed after a stage's death was noticed, with an error that does not say a retry "
-            f"may succeed: {client.stream.error!r}",
+            f"{client.name} failed after a stage process died, with an error that does not say a retry may "
+            f"succeed: {client.stream.error!r}",
         )
 
 

@@ -15,7 +15,7 @@ import torch
 import runtime
 from invariants import INVARIANTS, Violation, check
 from invariants.dataplane import RING_HEADER, ring_room
-from invariants.observed import ObservedWorld, TraceEvent
+from invariants.observed import ObservedWorld, Stream, TraceEvent
 from omnisim import registry
 from omnisim.answers import Answers
 from omnisim.explore import explore
@@ -290,6 +290,30 @@ def test_streamed_as_made_reports_each_held_chunk() -> None:
         "an audio chunk of A#2 was held back from its client when Code2Wav handed it out (event 1): the client "
         "hears nothing until the whole answer is made"
     ]
+
+
+def test_failures_claimed_reports_a_failure_read_after_its_request_was_released() -> None:
+    assert INVARIANTS["failures-claimed"].check(world_of(("orch.fail", {"req": "F", "reason": "gave up"}))) == []
+    late = ("orch.failure_unclaimed", {"stage": 0, "req": "F#0", "reason": "gave up sending: chunk F_0_2"})
+    assert INVARIANTS["failures-claimed"].check(world_of(("orch.released", {"req": "F"}), late)) == [
+        "stage 0 failed F#0 (gave up sending: chunk F_0_2), read after its request was released (event 1): no "
+        "request heard of it"
+    ]
+
+
+def test_a_fault_licenses_a_failure_of_its_own_generation_of_an_id_only() -> None:
+    world = world_of(
+        ("orch.accepted", {"req": "F"}),
+        ("fault", {"kind": "put_fail", "key": "F_0_2"}),
+        ("orch.accepted", {"req": "F"}),
+    )
+    first = Stream("failing", "F", outcome="failed", terminals=1, accepted_at=0)
+    again = Stream("failing.again", "F", outcome="failed", terminals=1, accepted_at=2)
+    world.streams = {s.request_id: s for s in (first, again)}
+    assert INVARIANTS["terminal-delivered"].check(world) == ["request failing.again ended failed; expected finished"]
+    # A stream no engine accepted (an edge-level world) is licensed by any fault on its id.
+    again.accepted_at = None
+    assert INVARIANTS["terminal-delivered"].check(world) == []
 
 
 def test_a_probe_finding_counts_for_its_own_invariant_only() -> None:
