@@ -125,6 +125,14 @@ async def text_while_down(world: World, stage: str) -> None:
     )
 
 
+def stage_died_since(index: int | None) -> bool:
+    """Whether a stage process was killed after trace event ``index`` (None: never accepted)."""
+    return index is not None and any(
+        e.index > index and e.name == "process.killed" and str(e.attrs["process"]).startswith("stage")
+        for e in current_trace()
+    )
+
+
 def events(name: str, **attrs: Attr) -> list[TraceEvent]:
     """The run's trace events ``name`` with ``attrs``, so far."""
     return [e for e in current_trace() if e.name == name and all(e.attrs.get(k) == v for k, v in attrs.items())]
@@ -192,6 +200,9 @@ async def stage_crash(world: World) -> None:
         if stage != "thinker":
             await text_while_down(world, stage)
         await again.run()  # the same id once V ended: served by whatever lives now
+        if stage_died_since(again.stream.accepted_at):
+            # (an injected fault failed V before the death it was meant for, which came later)
+            again.outcomes |= {"failed"}
 
     await together(("V", victim_then_reuse), ("T", text_only.run))
     check_failed_after_death(world, (victim, text_only))
