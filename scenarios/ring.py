@@ -25,6 +25,7 @@ Every frame is recorded as sent and as received, so ``no-corrupt-accept`` checks
 from __future__ import annotations
 
 import functools
+import random
 
 from omnisim.registry import Param, Params, scenario
 from omnisim.sim_kernel import MAIN_PROCESS
@@ -39,6 +40,15 @@ SLOW_CONSUMER_S = 0.03
 #: Codec frames per chunk of each request: chunks of different sizes leave every remainder at the
 #: ring's end, so wrap-arounds skip bytes of many sizes.
 MIXED_CHUNKS = ([4, 25, 10, 25, 7, 25], [25, 10, 25, 4, 25, 10])
+#: Chunks per request when their sizes are drawn, and the largest (the Talker's 25 frames).
+DRAWN_CHUNKS, MAX_CHUNK_FRAMES = 8, 25
+CHUNK_SIZES = Param(
+    "chunks",
+    ("mixed", "drawn"),
+    f"the chunks' sizes: fixed and mixed ({MIXED_CHUNKS}), or drawn from the run's seed ({DRAWN_CHUNKS} per "
+    f"request, 1 to {MAX_CHUNK_FRAMES} frames), so that runs leave the ring's head, tail and end at many "
+    "different distances from one another when a frame must wrap",
+)
 CODE2WAV_PROCESS = Param(
     "code2wav",
     ("same_process", "own_process"),
@@ -58,7 +68,7 @@ def ring_world(store_kind: str, params: Params) -> World:
     "chunk went",
     issue="omnisim issue 13 (ring back-pressure, fallback, wrap-around)",
     build=ring_world,
-    params=(CODE2WAV_PROCESS,),
+    params=(CODE2WAV_PROCESS, CHUNK_SIZES),
     invariants=DATA_PLANE,
 )
 async def ring_full_slow_consumer(world: World) -> None:
@@ -66,12 +76,13 @@ async def ring_full_slow_consumer(world: World) -> None:
 
 
 async def two_streams(world: World, *, read_pauses: tuple[float, float], write_pause: float) -> None:
-    """Requests R and S streamed at once (:data:`MIXED_CHUNKS`), each read with its pause before
-    every chunk and written with ``write_pause`` before every chunk; both must finish intact."""
+    """Requests R and S streamed at once (chunk sizes as the ``chunks`` parameter says), each
+    read with its pause before every chunk and written with ``write_pause`` before every chunk;
+    both must finish intact."""
     requests = [EdgeRequest(world, ext) for ext in ("R", "S")]
     consumer = world.stages[CODE2WAV].process
     jobs = []
-    for req, chunks, read_pause in zip(requests, MIXED_CHUNKS, read_pauses, strict=True):
+    for req, chunks, read_pause in zip(requests, chunk_sizes(world), read_pauses, strict=True):
         req.stream.allowed_outcomes = frozenset({"finished"})
         jobs.append((consumer, f"{req.name}.consume", functools.partial(receive, req, pause_s=read_pause)))
         jobs.append((MAIN_PROCESS, f"{req.name}.produce", functools.partial(send, req, chunks, pause_s=write_pause)))
@@ -81,13 +92,22 @@ async def two_streams(world: World, *, read_pauses: tuple[float, float], write_p
         await req.talker.adapter.release_shm_resources(req.ext)
 
 
+def chunk_sizes(world: World) -> tuple[list[int], list[int]]:
+    """Each request's chunk sizes, in codec frames, as the ``chunks`` parameter says."""
+    if world.params["chunks"] == "mixed":
+        return MIXED_CHUNKS
+    draw = random.Random(world.seed)
+    first, second = ([draw.randint(1, MAX_CHUNK_FRAMES) for _ in range(DRAWN_CHUNKS)] for _ in range(2))
+    return first, second
+
+
 @scenario(
     "ring_eager_reader",
     summary="Code2Wav waits for every chunk before it is put, on two requests the Talker produces in step: it asks "
     "for keys while their frames are being written into reused ring space, and takes only whole frames",
     issue="omnisim issue 13 (a frame readable only once written)",
     build=ring_world,
-    params=(CODE2WAV_PROCESS,),
+    params=(CODE2WAV_PROCESS, CHUNK_SIZES),
     invariants=DATA_PLANE,
 )
 async def ring_eager_reader(world: World) -> None:
