@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,6 +13,8 @@ from runtime.config.topology import OutputType
 from runtime.orchestrator import EngineOutput, Orchestrator, RequestState
 from runtime.request import Request
 from runtime.sched.ar import ARScheduler
+from runtime.sched.base import StageOutput
+from runtime.sched.generation import GenerationScheduler
 from runtime.serving import EmittedSamplesTrim
 from runtime.stages import Stage
 
@@ -74,6 +76,29 @@ def give_up_read_after_free() -> Iterator[Patch]:
             del self._check_failures
 
     yield Patch(Orchestrator, "_forget", forget_unread)
+
+
+@mutant(
+    "doorbell_cleared_after_step",
+    summary="a stage clears its doorbell after a step instead of before it: an abort (or a request, or the stop) "
+    "that rang while the step ran is forgotten, and the stage sleeps out its idle wait before it sees it",
+    issue="omnisim issue 11 (planted by an outside audit, missed until waits were judged by the true state)",
+    scenarios=("pipeline_abort_before_output",),
+    expect=("no-lost-wakeup",),
+)
+def doorbell_cleared_after_step() -> Iterator[Patch]:
+    def cleared_after(
+        step: Callable[[Any], Awaitable[list[StageOutput]]],
+    ) -> Callable[[Any], Awaitable[list[StageOutput]]]:
+        async def stepped(self: ARScheduler | GenerationScheduler) -> list[StageOutput]:
+            outputs = await step(self)
+            self._new_work = False
+            return outputs
+
+        return stepped
+
+    for scheduler in (ARScheduler, GenerationScheduler):
+        yield Patch(scheduler, "step", cleared_after(scheduler.step))
 
 
 @mutant(

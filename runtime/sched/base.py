@@ -93,13 +93,19 @@ class StageScheduler:
             for out in outputs:
                 on_output(out)
             if not outputs and not self._has_news():
-                await self._wakeup.wait(IDLE_WAIT_S, ready=self._has_news)
+                await self._wakeup.wait(IDLE_WAIT_S, ready=self._has_work)
             else:
                 await current_kernel().sleep(0)  # one step at a time: let the other stages run
 
     def _has_news(self) -> bool:
         """Whether the doorbell rang or a chunk waits: the next step has something to act on."""
         return self._new_work or self.adapter.has_ready_chunks()
+
+    def _has_work(self) -> bool:
+        """:meth:`_has_news`, or work whose doorbell must have rung since the last step began (an
+        abort is applied, and the stop seen, at a step's start): what makes an idle wait a lost
+        wakeup, whether or not the flag says so (the flag is what a slip would clear)."""
+        return self._has_news() or bool(self.pending_aborts) or self._stopped
 
     async def step(self) -> list[StageOutput]:
         raise NotImplementedError
