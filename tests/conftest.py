@@ -75,7 +75,8 @@ def left_behind(before: set[str]) -> list[str]:
     for name in sorted(shm_names() - before):
         match = NAME.fullmatch(name)
         owner = directory.read_owner(match.group(1)) if match else None
-        if owner is None or owner_state(owner, processes) != "alive":
+        # (a name gone by now was another run's, removed as it closed: its owner record goes last)
+        if (owner is None or owner_state(owner, processes) != "alive") and os.path.lexists(os.path.join(SHM_DIR, name)):
             left.append(name)
     return left
 
