@@ -403,6 +403,24 @@ async def test_a_release_whose_sweep_raises_still_answers(store: Store, monkeypa
     edge.assert_clean()
 
 
+async def test_a_connector_that_fails_to_close_at_shutdown_is_logged_not_raised(
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Spec §3.10: shutdown closes the connector, errors swallowed (the stage stops either way)."""
+    edge = Edge(store)
+    close = edge.c1.close
+
+    async def broken() -> None:
+        await close()
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(edge.c1, "close", broken)
+    async with edge.running():
+        pass  # (shut down at once: both loops end, each closes its connector)
+    assert "closing the connector of stage1 failed" in caplog.text
+    edge.assert_clean()
+
+
 # == Part B: the same races under the SimKernel, with the ordered strategy =====================
 
 

@@ -15,6 +15,7 @@ only what spans the two: a request's cleanup, which is both, and the stage's lif
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from typing import Any
 
@@ -23,6 +24,8 @@ from runtime.kernel import current_kernel
 from runtime.request import Request
 from runtime.transfer.receiver import ChunkReceiver, WorkerType
 from runtime.transfer.sender import ChunkSender, Processor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ChunkTransferAdapter", "Processor", "WorkerType"]
 
@@ -188,7 +191,10 @@ class ChunkTransferAdapter:
                 if self._polls_upstream:
                     tasks.start_soon(self.receiver.recv_loop, name=f"{self.name}.recv")
         finally:
-            await self.connector.close()
+            try:
+                await self.connector.close()
+            except Exception:  # (spec §3.10: swallowed — the stage is stopping either way)
+                log.exception("closing the connector of %s failed", self.name)
 
     def shutdown(self) -> None:
         self.sender.stop()
