@@ -13,6 +13,7 @@ and anyio, as any ASGI application does.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import uuid
@@ -358,7 +359,8 @@ class Server:
 
             async def receive() -> None:
                 nonlocal message
-                message = await _next_message(ws)
+                with contextlib.suppress(WebSocketDisconnect):  # (gone while told of a bad message)
+                    message = await _next_message(ws)
                 race.cancel_scope.cancel()
 
             race.start_soon(receive)
