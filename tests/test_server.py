@@ -567,9 +567,12 @@ def test_an_error_names_the_field_as_the_client_wrote_it(server: Running) -> Non
     for extra, param in (
         ({"audio": {"format": 3}}, "audio.format"),
         ({"stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+        ({"max_tokens": 0}, "max_tokens"),
     ):
         error = httpx.post(f"{server.url}/v1/chat/completions", json=chat | extra).json()["error"]
         assert error["param"] == param and f"'{param}'" in error["message"]
+    # A number out of range is named by its value; a type by its JSON name.
+    assert error["message"] == "'max_tokens' must be an integer >= 1, got 0"
     error = _speech(server, input=None).json()["error"]
     assert error["param"] == "input" and error["message"].endswith("not null")
 
