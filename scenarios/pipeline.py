@@ -249,6 +249,9 @@ class Client:
     leave_after: int | None = None
     #: False: the whole answer at once, one output per kind (a non-streamed chat or speech request).
     streamed: bool = True
+    #: Let go of the stream at its terminal, as a client that stops at ``finished`` does, instead
+    #: of reading it to its end: the engine must not take that for a client gone.
+    breaks_at_terminal: bool = False
     outputs: list[ClientOutput] = field(default_factory=list)
     stream: Stream = field(init=False)
 
@@ -307,6 +310,7 @@ class Client:
             sample_rate=self.sample_rate,
             stream=self.streamed,
         )
+        terminal_at: int | None = None  # (where it got its terminal, if it let go there)
         async with aclosing(answer):
             async for out in answer:
                 self.outputs.append(out)
@@ -316,11 +320,23 @@ class Client:
                     self.stream.ended_us = round(current_kernel().now() * 1e6)
                     self.stream.error = out.error
                     self.stream.outcome = self.outcome_of(out.error)
+                    if self.breaks_at_terminal:
+                        terminal_at = len(current_trace())
+                        break
                 elif len(self.outputs) == self.leave_after:
                     self.stream.outcome = "left"
                     # What abort-stops-work holds the engine to: a client gone is an abort.
                     current_kernel().note("client.left", req=self.request_id)
                     return
+        if terminal_at is not None:
+            me = current_task_name()
+            aborted = [e.index for e in current_trace()[terminal_at:] if e.name == "orch.abort.begin" and e.task == me]
+            self.world.probe(
+                "terminal-delivered",
+                not aborted,
+                f"{self.name} let go of its stream at the terminal, and the engine was told to abort its request "
+                f"(event {aborted[0] if aborted else ''}): a reuse of the id would have been aborted",
+            )
         self.check()
 
     def outcome_of(self, error: str | None) -> str:
@@ -482,9 +498,9 @@ async def pipeline_abort_before_output(world: World) -> None:
     issue="#8082, #6670, #7006, spec §2.11",
 )
 async def pipeline_concurrent_chaos(world: World) -> None:
-    steady = Client(world, "steady", REMAINDER, "S")
+    steady = Client(world, "steady", REMAINDER, "S", breaks_at_terminal=True)
     flaky = Client(world, "flaky", BOUNDARY, "F")
-    reused = Client(world, "reused", SHORT, "R")
+    reused = Client(world, "reused", SHORT, "R", breaks_at_terminal=True)
     again = Client(world, "reused.again", REMAINDER, "R")
     leaver = Client(world, "leaver", REMAINDER, "L", leave_after=3)
     leaver.outcomes = frozenset({"left", "finished"})
