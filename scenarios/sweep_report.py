@@ -6,7 +6,8 @@ young to judge, the names it skipped because they are not ours, the names it cou
 Here a private tmpfs holds what a machine's /dev/shm may hold, made by hand so the truth is
 known: a dead owner's namespace with every kind of name and a folder of FIFOs holding another
 user's file; a live owner's, and an old one of a live owner with pid 1 (a container's first
-process); an ownerless one too young to judge and one old enough to sweep; two young ones whose
+process); an ownerless one too young to judge, one old enough to sweep, and one with an old name
+beside a young one (kept: someone may be writing it); two young ones whose
 dead owner's record is padded to 4 KiB (read: the largest a record may be) and past it (no record
 the runtime writes: its owner cannot be judged, and the namespace is kept), and a young one whose
 record names pid 0 (no process: a record no owner wrote, kept as well); a name of the dead
@@ -48,7 +49,7 @@ STRANGER_UID = 54321
 OLD_S = 3600.0
 
 #: The names the scenario makes (the world's own store, if it has one here, is none of them).
-MADE = re.compile(r"omnisim-(dead|live|init|young|old|full|over|zero)-.*|not-omnisim")
+MADE = re.compile(r"omnisim-(dead|live|init|young|mixed|old|full|over|zero)-.*|not-omnisim")
 #: The largest owner record a sweep reads.
 RECORD_MAX = RECORD_MAX_BYTES
 #: The names of each namespace of ours, besides its owner record.
@@ -57,6 +58,8 @@ OURS = {
     "live": ("seg-k",),
     "init": ("seg-k",),
     "young": ("seg-k",),
+    # (its lock file old, its segment young: someone may be writing it, so the namespace stays)
+    "mixed": ("lock-k", "seg-k"),
     "old": ("lock-k", "seg-k"),
     "full": ("seg-k",),
     "over": ("seg-k",),
@@ -111,9 +114,9 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
     stranger = os.path.join(wake, "theirs")
     os.close(os.open(stranger, os.O_CREAT | os.O_WRONLY, 0o600))
     os.chown(stranger, STRANGER_UID, STRANGER_UID)
-    for namespace in ("old", "init"):  # (init's: old enough to sweep, were its live owner not seen)
-        for old in OURS[namespace]:
-            os.utime(os.path.join(path, name(namespace, old)), (time.time() - OLD_S, time.time() - OLD_S))
+    # (init's: old enough to sweep, were its live owner not seen; mixed's lock file only)
+    for old in [name("old", rest) for rest in OURS["old"]] + [name("init", "seg-k"), name("mixed", "lock-k")]:
+        os.utime(os.path.join(path, old), (time.time() - OLD_S, time.time() - OLD_S))
     foreign = [file(name("dead", "seg-readable"), 0o644), name("dead", "ring-link")]
     os.symlink(os.path.join(path, name("dead", "seg-k")), os.path.join(path, foreign[1]))
     file("not-omnisim")
@@ -131,7 +134,7 @@ def make_folder(world: World, path: str) -> dict[str, list[str]]:
         + doomed("old", False),
         "live": ["init", "live"],
         "unjudged": ["over", "zero"],
-        "young_orphans": ["young"],
+        "young_orphans": ["mixed", "young"],
         "foreign": sorted(foreign),
         "errors": [f"{name('dead', 'wake')}: {os.strerror(errno.ENOTEMPTY)}"],
     }
@@ -144,9 +147,9 @@ def said(report: SweepReport, part: str) -> list[str]:
 @scenario(
     "sweep_reports",
     summary="a sweep of a /dev/shm holding a dead owner's namespace (with a FIFO folder holding another user's file), "
-    "a live owner's, ownerless ones young and old, and names that are not ours: a dry run lists what the sweep "
-    "then removes and removes nothing; the sweep's report lists exactly what it removed, kept, skipped and could "
-    "not remove, and leaves what is not ours",
+    "a live owner's, ownerless ones young, old and of both ages, and names that are not ours: a dry run lists "
+    "what the sweep then removes and removes nothing; the sweep's report lists exactly what it removed, kept, "
+    "skipped and could not remove, and leaves what is not ours",
     issue="spec §2.7 and omnisim issue 9 (the sweep an operator runs, and the report it reads)",
     build=sweep_world,
     invariants=(*DEFAULT_INVARIANTS, "sweep-reports-true"),
