@@ -66,8 +66,10 @@ def as_carried(obj: object, depth: int = DEPTH) -> object:
     except as a map's key (a list cannot be one), where it stays a tuple; and as upstream's
     receiver gets what else its serializer carries (spec §2.8): a slice as ``[start, stop, step]``,
     a dataclass as a map of its fields, a ``msgspec.Struct`` as a map of its fields by their encoded
-    names, without those that hold their default where it omits defaults (the harness's model:
-    no tags, no ``array_like``, no default factories — the scenarios' Structs have none)."""
+    names, without those that hold their default where it omits defaults — the default object
+    itself, or an empty list, dict, set or bytearray where a factory of that type makes the
+    default, as msgspec decides it (the harness's model: no tags, no ``array_like`` — the
+    scenarios' Structs have neither)."""
     if not depth:
         return obj
     if isinstance(obj, slice):
@@ -77,12 +79,18 @@ def as_carried(obj: object, depth: int = DEPTH) -> object:
     elif isinstance(obj, msgspec.Struct):
         omit = obj.__struct_config__.omit_defaults
         fields = msgspec.structs.fields(obj)
-        obj = {f.encode_name: getattr(obj, f.name) for f in fields if not (omit and getattr(obj, f.name) is f.default)}
+        obj = {f.encode_name: getattr(obj, f.name) for f in fields if not (omit and _holds_default(obj, f))}
     if isinstance(obj, dict):
         return {k: as_carried(v, depth - 1) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [as_carried(x, depth - 1) for x in obj]
     return obj
+
+
+def _holds_default(struct: msgspec.Struct, field: msgspec.structs.FieldInfo) -> bool:
+    value = getattr(struct, field.name)
+    empty = field.default_factory in (list, dict, set, bytearray) and type(value) is field.default_factory
+    return value is field.default or (empty and not value)
 
 
 def watch_payloads(

@@ -191,6 +191,14 @@ class _Codes(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fi
     left_context_size: int | None = None
 
 
+class _Ids(msgspec.Struct, omit_defaults=True):
+    """Fields whose default is a factory's: omitted while empty, sent once they hold something."""
+
+    ids: list[int] = msgspec.field(default_factory=list)
+    extra: dict[str, int] = msgspec.field(default_factory=dict)
+    n: int = 0
+
+
 def image(mode: str, size: tuple[int, int] = (9, 3)) -> Image.Image:
     """An image of ``mode`` whose pixels differ."""
     nbytes = len(Image.new(mode, size).tobytes())
@@ -205,6 +213,11 @@ def translated_payloads() -> dict[str, tuple[object, object]]:
         "a struct that omits its defaults": (
             {"codes": _Codes(audio=torch.arange(4))},
             {"codes": {"audio": torch.arange(4)}},
+        ),
+        "a struct with factory defaults": (
+            {"empty": _Ids(n=5), "held": _Ids(ids=[1, 2, 3], extra={"a": 1})},
+            # (as msgspec itself writes them)
+            {"empty": {"n": 5}, "held": {"ids": [1, 2, 3], "extra": {"a": 1}}},
         ),
         "a slice": ({"s": slice(1, 7, 2), "open": slice(None, 3)}, {"s": [1, 7, 2], "open": [None, 3, None]}),
         "an extension": ({"e": msgspec.msgpack.Ext(42, b"x" * 20)}, {"e": msgspec.msgpack.Ext(42, b"x" * 20)}),
