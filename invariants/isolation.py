@@ -85,6 +85,8 @@ def death_noticed(world: ObservedWorld) -> list[str]:
             held = s.outcome == "failed" or s.allowed_outcomes == {"failed"}
             if not held or (s.ended_us is not None and s.ended_us < ev.time_us):
                 continue
+            if s.accepted_at is not None and s.accepted_at > ev.index:
+                continue  # (accepted after this death: a later life, or a later death, holds it)
             late = (s.ended_us if s.ended_us is not None else world.end_time_us) - ev.time_us
             if late > NOTICE_US:
                 out.append(

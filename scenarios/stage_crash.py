@@ -63,9 +63,15 @@ CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ("talker", "paused"): ("pause_stage", "shm.put.written", {"key": "V_1_1"}),
     # Its first two lives die as V, then the reused V, reach them: the second restart backs off longer.
     ("talker", "twice"): ("crash_stage", "adapter.load_async", {"req": "V#1"}),
+    # The same, with the reused V sent once the second life has lived past the supervisor's 10 s
+    # of stability: its death is restarted after the first back-off again, not a doubled one.
+    ("talker", "after_a_stable_life"): ("crash_stage", "adapter.load_async", {"req": "V#1"}),
 }
 #: How many lives of the stage a crash takes (each at its own hit of the point).
-LIVES_TAKEN = {"twice": 2}
+LIVES_TAKEN = {"twice": 2, "after_a_stable_life": 2}
+#: How long ``after_a_stable_life`` lets the second life live before the reused V reaches it:
+#: past the 10 s after which a life counts as stable.
+STABLE_LIFE_S = 12.0
 CRASH = Param("crash", tuple(f"{stage}@{phase}" for stage, phase in CRASHES), "which stage dies, and when")
 #: How soon after its death a stage must be running again: noticed within a second of silence,
 #: restarted after the supervisor's first back-off.
@@ -189,7 +195,7 @@ async def stage_crash(world: World) -> None:
     if stage == "thinker":
         text_only.outcomes = frozenset({"finished", "failed"})
     again = Client(world, "V.again", SHORT, "V")
-    if phase == "twice":
+    if phase in ("twice", "after_a_stable_life"):
         again.outcomes = frozenset({"finished", "failed"})
 
     async def victim_then_reuse() -> None:
@@ -199,6 +205,8 @@ async def stage_crash(world: World) -> None:
             await victim.run()
         if stage != "thinker":
             await text_while_down(world, stage)
+        if phase == "after_a_stable_life":
+            await current_kernel().sleep(STABLE_LIFE_S)
         await again.run()  # the same id once V ended: served by whatever lives now
         if stage_died_since(again.stream.accepted_at):
             # (an injected fault failed V before the death it was meant for, which came later)
