@@ -160,6 +160,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "fault": ("note", "an injected fault of the fault plan fired [kind, at, key where its point has one]"),
     "fault.os": ("note", "a system call of the store failed as the os_errors scenario made it [at, errno]"),
     "fault.store": ("note", "the store refused a call as the failed_cleanup scenario made it [at, key]"),
+    "fault.close": ("note", "a scenario closes a connector while its puts are in flight [connector]"),
 }
 
 

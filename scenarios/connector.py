@@ -220,6 +220,33 @@ async def closed_with_unread(world: World) -> None:
             world.probe("no-orphan-shm", taken is None, f"a get of {key} after its producer's close took it")
 
 
+@edge_scenario(
+    "closed_during_puts",
+    summary="the Talker's connector closes while puts of chunks for the ring and for segments are in flight: each "
+    "put either ends before the close (which then removes its chunk) or fails, and no segment, lock file or ring "
+    "frame of any of them is left",
+    issue="spec §2.7 (close removes every tracked key; a put that outlives it must not leave its key behind)",
+    invariants=DATA_PLANE,
+)
+async def closed_during_puts(world: World) -> None:
+    k = current_kernel()
+    talker = world.stages[TALKER].connector
+    edge = (str(TALKER), str(CODE2WAV))
+
+    async def put(key: str, frames: int) -> None:
+        with contextlib.suppress(InjectedCrash, StoreError):  # (ConnectorClosed, once the close ran first)
+            await talker.put(*edge, key, {"codes": {"audio": codec_frames(frames)}})
+
+    async def close() -> None:
+        k.note("fault.close", connector=str(TALKER))  # (a put it fails has this cause)
+        await talker.close()
+
+    async with k.task_group() as puts:
+        for key, frames in UNREAD.items():
+            puts.start_soon(functools.partial(put, key, frames), name=f"{key}.put")
+        puts.start_soon(close, name="close")
+
+
 #: The two payloads ``puts_of_one_key`` puts under one key at once, by how many codec frames: one
 #: small enough for a ring (where the store has one), one too large for it.
 RACING = {"small": 4, "large": 64}

@@ -229,11 +229,14 @@ class ShmConnector:
                         placed = await self._write_locked(put_key, frame)
                     except (StoreError, WireEncodeError):
                         raise  # (a failure it reports: it left nothing)
-                    except BaseException:
+                    except BaseException as e:
                         # It may have left its segment (a bug, an interrupted call): tracked (as
                         # the segment it made, once made), so a prefix cleanup or the close
-                        # removes it if no exact cleanup does.
+                        # removes it if no exact cleanup does — or removed now, if the close ran
+                        # already (not by a process being killed: it does nothing more).
                         self._pending_keys.setdefault(put_key, None)
+                        if self._closed and isinstance(e, Exception):
+                            self._remove_payload(put_key)
                         raise
                 self._pending_keys[put_key] = None if placed.on_ring else placed.file
                 self._failed_cleanups.pop(put_key, None)  # (what a failed cleanup left, this put replaced)
@@ -327,10 +330,13 @@ class ShmConnector:
                 finally:
                     io.close()
             await k.point("shm.put.committed", key=key)
-        except BaseException:
+        except BaseException as e:
             if not ring.memory.closed:  # (closed: this process died, or closed the ring: it writes nothing more)
                 ring.abandon(reserved)
             self._ring_keys.pop(key, None)
+            if self._closed and isinstance(e, Exception):
+                # The connector closed under this put and let go of the ring's memory it wrote into.
+                raise ConnectorClosed("the connector was closed during the put") from e
             raise
         if ring.memory.closed:
             self._ring_keys.pop(key, None)  # (the connector closed under it: its close took the key)
@@ -352,7 +358,10 @@ class ShmConnector:
 
     def _send_ring(self, from_stage: str, to_stage: str) -> Ring | None:
         """The ring of this edge, made on its first use; None if it cannot be made (the puts
-        of the edge then take segments, and the next put tries again)."""
+        of the edge then take segments, and the next put tries again). :class:`ConnectorClosed`
+        once the connector closed."""
+        if self._closed:  # (closed while this put waited: a ring made now would outlive its connector)
+            raise ConnectorClosed("the connector was closed during the put")
         edge = rings.edge_name(from_stage, to_stage)
         ring = self._send_rings.get(edge)
         if ring is not None and ring.retired:  # found corrupt (by its reader, or by a put): replaced
