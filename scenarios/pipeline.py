@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from invariants.observed import Stream
+from invariants.observed import Stream, TraceEvent
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
 from omnisim.sim_kernel import current_task_name, current_trace
@@ -290,15 +290,14 @@ class Client:
     def _accepted_since(self, index: int) -> int | None:
         """Where the engine accepted this client's request (its ``orch.accepted`` note, on this
         task, from ``index`` on): where its generation of the id starts."""
+        accepted = [e for e in self._mine_since(index, "orch.accepted") if e.attrs["req"] == self.request_id]
+        return accepted[0].index if accepted else None
+
+    @staticmethod
+    def _mine_since(index: int, name: str) -> list[TraceEvent]:
+        """The trace events ``name`` from ``index`` on that this client's own task made."""
         me = current_task_name()
-        return next(
-            (
-                e.index
-                for e in current_trace()[index:]
-                if e.name == "orch.accepted" and e.task == me and e.attrs["req"] == self.request_id
-            ),
-            None,
-        )
+        return [e for e in current_trace()[index:] if e.name == name and e.task == me]
 
     async def _listen(self) -> None:
         answer = generate(
@@ -329,8 +328,7 @@ class Client:
                     current_kernel().note("client.left", req=self.request_id)
                     return
         if terminal_at is not None:
-            me = current_task_name()
-            aborted = [e.index for e in current_trace()[terminal_at:] if e.name == "orch.abort.begin" and e.task == me]
+            aborted = [e.index for e in self._mine_since(terminal_at, "orch.abort.begin")]
             self.world.probe(
                 "terminal-delivered",
                 not aborted,

@@ -95,14 +95,11 @@ def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
     back) — also when a survivor failed it before the supervisor noticed the death (the dead
     writer's half-written chunk, the chunks that stopped coming): the process is gone all the
     same, as ``waitpid`` tells."""
-    deaths = [
-        e
-        for e in current_trace()
-        if e.name == "orch.stage_died" or (e.name == "process.killed" and str(e.attrs["process"]).startswith("stage"))
-    ]
+    # (a stopped process is dead once its silence was noticed)
+    deaths = sorted(e.index for e in [*stage_kills(), *events("orch.stage_died")])
     for client in clients:
         failed = first_event("orch.fail", req=client.request_id)
-        after_death = deaths and failed is not None and failed.index > deaths[0].index
+        after_death = deaths and failed is not None and failed.index > deaths[0]
         world.probe(
             "fault-isolation",
             client.stream.outcome != "failed" or not after_death or isinstance(client.stream.error, Unavailable),
@@ -131,12 +128,14 @@ async def text_while_down(world: World, stage: str) -> None:
     )
 
 
+def stage_kills() -> list[TraceEvent]:
+    """The run's SIGKILLs of a stage process, so far."""
+    return [e for e in current_trace() if e.name == "process.killed" and str(e.attrs["process"]).startswith("stage")]
+
+
 def stage_died_since(index: int | None) -> bool:
     """Whether a stage process was killed after trace event ``index`` (None: never accepted)."""
-    return index is not None and any(
-        e.index > index and e.name == "process.killed" and str(e.attrs["process"]).startswith("stage")
-        for e in current_trace()
-    )
+    return index is not None and any(e.index > index for e in stage_kills())
 
 
 def events(name: str, **attrs: Attr) -> list[TraceEvent]:
