@@ -19,7 +19,6 @@ from runtime.config.topology import OutputType
 from runtime.connectors.ring import unread_frames
 from runtime.connectors.stores import Store
 from runtime.kernel import current_kernel
-from runtime.models._build import module_device
 from runtime.models.aligner import WordTimestamp
 from runtime.orchestrator import Orchestrator
 from runtime.process_stage import ProcessStage, StageLaunch
@@ -59,7 +58,7 @@ def build_engine(
     )
     upstream: ProcessStage | None = None
     for spec in config.stages:
-        device = str(module_device(getattr(models, spec.model)))
+        device = str(getattr(models, spec.model).device)
         stage_launch = replace(launch, device=device, transport=StageTransport.of(config, spec.stage_id))
         upstream = ProcessStage(spec, stage_launch, upstream=upstream, on_death=engine.stage_died)
         handles[spec.stage_id] = upstream

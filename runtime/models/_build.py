@@ -57,11 +57,6 @@ def init_from_seed(module: nn.Module, seed: int, device: torch.device | str) -> 
     module.requires_grad_(False)
 
 
-def module_device(module: nn.Module) -> torch.device:
-    """The device a model's parameters live on (all of them share one)."""
-    return next(module.parameters()).device
-
-
 def count_parameters(module: nn.Module) -> int:
     """Number of scalar weights in ``module`` (for reports)."""
     return sum(p.numel() for p in module.parameters())

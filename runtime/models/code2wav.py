@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models._build import declaring, init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ class Code2Wav(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return module_device(self)
+        # One parameter's (they all move together): walking ``parameters()`` at every step
+        # costs twice as much, and a step asks several times.
+        return self.codebook_embed.weight.device
 
     @torch.no_grad()
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
@@ -170,7 +172,7 @@ def decode_chunks(model: Code2Wav, chunks: list[tuple[list[int], int]]) -> list[
     into the samples each one emits (``[1, L]`` float32 tensors)."""
     counts = [len(ids) for ids, _ in chunks]
     flat = torch.tensor([i for ids, _ in chunks for i in ids], dtype=torch.int64)
-    codes = unflatten_codes(flat, counts).to(module_device(model))
+    codes = unflatten_codes(flat, counts).to(model.device)
     return chunked_decode_streaming(model, codes, [left for _, left in chunks], counts)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.models._build import declaring, init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed
 from runtime.models.code2wav import CODEBOOK_SIZE, NUM_QUANTIZERS
 from runtime.models.thinker import (
     ACCEPT_HIDDEN_LAYER,
@@ -152,7 +152,9 @@ class Talker(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return module_device(self)
+        # One parameter's (they all move together): walking ``parameters()`` at every step
+        # costs twice as much, and a step asks several times.
+        return self.codec_embed.weight.device
 
     @torch.no_grad()
     def init_state(self, conditioning: TalkerConditioning) -> TalkerState:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.models._build import declaring, init_from_seed, module_device
+from runtime.models._build import declaring, init_from_seed
 
 PAD_ID = 0
 BOS_ID = 1
@@ -200,7 +200,9 @@ class Thinker(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return module_device(self)
+        # One parameter's (they all move together): walking ``parameters()`` at every step
+        # costs twice as much, and a step asks several times.
+        return self.embed.weight.device
 
     @torch.no_grad()
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
