@@ -22,6 +22,7 @@ from runtime.config.topology import OutputType
 from runtime.models.code2wav import SAMPLE_RATE
 from runtime.orchestrator import EngineOutput, EngineStopped, Orchestrator, StagesDown, Unavailable
 from runtime.serving import EmittedSamplesTrim, OutputKind
+from runtime.stages import TextFinish
 
 _request_ids = itertools.count()
 
@@ -38,6 +39,9 @@ class ClientOutput:
     data: Any
     finished: bool = False
     error: str | None = None
+    #: On the last item of a request answered in full: how its text ended (``"length"``: cut
+    #: short by ``max_tokens``) and its token counts.
+    text_finish: TextFinish | None = None
 
 
 def parse_modalities(modalities: Iterable[str]) -> frozenset[OutputType]:
@@ -56,10 +60,12 @@ async def generate(
     word_timestamps: bool = False,
     request_id: str | None = None,
     sample_rate: int = SAMPLE_RATE,
+    max_tokens: int | None = None,
 ) -> AsyncIterator[ClientOutput]:
     """Run ``text`` through ``engine``. With ``stream`` every delta is yielded as it comes;
     without, one item per output type at the end. Word timestamps need audio; audio is
-    delivered at ``sample_rate`` (resampled from the model's 24 kHz)."""
+    delivered at ``sample_rate`` (resampled from the model's 24 kHz). ``max_tokens`` caps the
+    answer's tokens, as vLLM's does."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     outputs = parse_modalities(modalities)
@@ -70,7 +76,12 @@ async def generate(
     rid = request_id if request_id is not None else f"req-{next(_request_ids)}"
     try:
         results = await engine.submit(
-            rid, text, outputs=outputs, output_kind=params[-1].output_kind, word_timestamps=word_timestamps
+            rid,
+            text,
+            outputs=outputs,
+            output_kind=params[-1].output_kind,
+            word_timestamps=word_timestamps,
+            max_tokens=max_tokens,
         )
     except (EngineStopped, StagesDown) as e:
         # (a stage that stayed down says which, and why; the engine may well be running)
@@ -130,5 +141,5 @@ def _client_outputs(
     if data is not None and not (isinstance(data, str) and not data):
         out.append(ClientOutput(item.output_type, data))
     if item.request_finished:
-        out.append(ClientOutput(item.output_type, None, finished=True, error=item.error))
+        out.append(ClientOutput(item.output_type, None, finished=True, error=item.error, text_finish=item.text_finish))
     return out

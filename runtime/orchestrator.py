@@ -39,7 +39,7 @@ from runtime.processors.code2wav2aligner import code2wav2aligner
 from runtime.request import Request
 from runtime.sched.base import IDLE_WAIT_S, StageOutput
 from runtime.serving import OutputKind, SamplingParams, StageAudio, check_input_text
-from runtime.stages import ComputeMeter, StageHandle, TalkerFrame, ThinkerDelta
+from runtime.stages import ComputeMeter, StageHandle, TalkerFrame, TextFinish, ThinkerDelta
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class EngineOutput:
     finished: bool
     request_finished: bool = False
     error: str | None = None
+    #: On the last output of a request answered in full: how its text ended.
+    text_finish: TextFinish | None = None
 
 
 class OutputStream:
@@ -117,6 +119,8 @@ class RequestState:
     stream: OutputStream
     audio: StageAudio
     word_timestamps: bool
+    #: How the Thinker's answer ended, once it did.
+    text_finish: TextFinish | None = None
     #: Stage id -> that stage's request; kept until the release sweep ran.
     stage_requests: dict[int, Request] = field(default_factory=dict)
     finished_stages: set[int] = field(default_factory=set)
@@ -251,12 +255,16 @@ class Orchestrator:
         outputs: frozenset[OutputType] = frozenset({OutputType.TEXT, OutputType.AUDIO}),
         output_kind: OutputKind = OutputKind.DELTA,
         word_timestamps: bool = False,
+        max_tokens: int | None = None,
     ) -> OutputStream:
-        """Start a request; its outputs arrive on the returned stream. A request id still in use
-        (not yet released) is waited for: the old generation's sweep must run first."""
+        """Start a request whose answer has at most ``max_tokens`` tokens; its outputs arrive on
+        the returned stream. A request id still in use (not yet released) is waited for: the old
+        generation's sweep must run first."""
         k = current_kernel()
         validate_request_id(request_id)
         check_input_text(text)
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):  # (not a bool either)
+            raise ValueError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
         if word_timestamps and self.aligner is None:
             raise ValueError("word_timestamps needs an engine built with a forced aligner")
         final = self.config.final_stage_id(outputs)
@@ -282,7 +290,7 @@ class Orchestrator:
         )
         self.requests[request_id] = state
         k.note("orch.accepted", req=request_id)
-        self._submit_stage(state, 0, {"text": text})
+        self._submit_stage(state, 0, {"text": text, "max_tokens": max_tokens})
         if self.async_chunk:
             for sid in self.config.prewarm_stages(final):
                 if state.error is None:  # (a failed request is not prewarmed further)
@@ -331,6 +339,8 @@ class Orchestrator:
 
     def _route(self, state: RequestState, stage_id: int, out: StageOutput) -> None:
         if isinstance(out.data, ThinkerDelta):
+            if out.finished:
+                state.text_finish = out.data.finish
             if OutputType.TEXT in state.outputs and (out.data.text or out.finished):
                 self._publish(state, stage_id, OutputType.TEXT, out.data.text, out.finished)
             self._forward(state, stage_id, out, out.data.full_payload)
@@ -419,7 +429,7 @@ class Orchestrator:
                 *held, last = state.pending_final  # the final stage always ends with an output
                 for item in held:
                     state.stream.put(item)
-                self._close(state, dataclasses.replace(last, request_finished=True))
+                self._close(state, dataclasses.replace(last, request_finished=True, text_finish=state.text_finish))
                 state.answered = True
         self._to_release.append(state)
         self._release_needed.notify()

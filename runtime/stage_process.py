@@ -38,7 +38,7 @@ from runtime.models.thinker import Thinker
 from runtime.real_kernel import run
 from runtime.request import Request
 from runtime.sched.base import StageOutput
-from runtime.stages import ComputeMeter, Stage, StageTransport, TalkerFrame, ThinkerDelta, build_stage
+from runtime.stages import ComputeMeter, Stage, StageTransport, TalkerFrame, TextFinish, ThinkerDelta, build_stage
 from runtime.supervisor import HEARTBEAT_S
 
 #: How often it looks for send and receive failures to report.
@@ -59,7 +59,8 @@ def encode_output(out: StageOutput) -> dict[str, Any]:
     """A stage output as a control message (tensors travel out of band)."""
     data = out.data
     if isinstance(data, ThinkerDelta):
-        body: Any = {"thinker": data.text, "full_payload": data.full_payload}
+        finish = None if data.finish is None else dataclasses.astuple(data.finish)
+        body: Any = {"thinker": data.text, "full_payload": data.full_payload, "finish": finish}
     elif isinstance(data, TalkerFrame):
         body = {"talker": data.frame, "full_payload": data.full_payload}
     elif isinstance(data, torch.Tensor):
@@ -78,7 +79,8 @@ def decode_output(message: dict[str, Any]) -> StageOutput:
     data: Any = None
     if isinstance(body, dict):
         if "thinker" in body:
-            data = ThinkerDelta(body["thinker"], body["full_payload"])
+            finish = body["finish"]
+            data = ThinkerDelta(body["thinker"], body["full_payload"], None if finish is None else TextFinish(*finish))
         elif "talker" in body:
             data = TalkerFrame(body["talker"], body["full_payload"])
         else:

@@ -76,12 +76,25 @@ class ComputeMeter:
 
 
 @dataclass(frozen=True)
+class TextFinish:
+    """How a request's answer ended (what vLLM's ``RequestOutput`` tells a server for its
+    ``finish_reason`` and ``usage``)."""
+
+    #: ``"stop"``: the Thinker said EOS; ``"length"``: ``max_tokens`` ran out first.
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
 class ThinkerDelta:
-    """What one Thinker step gives the orchestrator: the new text, and on the last step of a
-    request whose Talker is fed by forwarding, that Talker's complete input."""
+    """What one Thinker step gives the orchestrator: the new text; on the last step how the
+    answer ended, and for a request whose Talker is fed by forwarding, that Talker's complete
+    input."""
 
     text: str
     full_payload: dict[str, Any] | None = None
+    finish: TextFinish | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,8 @@ class ThinkerWorker:
         self.tts_embeds = model.tts_embeds()
 
     def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
-        state = self.states[request.request_id] = self.model.init_state(payload["text"])
+        state = self.model.init_state(payload["text"], payload.get("max_tokens"))
+        self.states[request.request_id] = state
         request.prompt_token_ids = list(state.prompt_token_ids)
         if self.collect:
             self.collected[request.request_id] = ThinkerSteps()
@@ -123,14 +137,16 @@ class ThinkerWorker:
         multimodal_output: dict[str, Any] = {"hidden_states": {"layers": out.layers}}
         if prefill:
             multimodal_output["embed"] = self.tts_embeds
-        full_payload = None
+        full_payload = finish = None
         steps = self.collected.get(rid)
         if steps is not None:
             steps.append(out)
             if out.finished:
                 del self.collected[rid]
                 full_payload = thinker2talker_full_payload(steps.output(state, self.tts_embeds))
-        return ARStep(ThinkerDelta(out.text_delta, full_payload), multimodal_output, out.finished)
+        if state.finish_reason is not None:
+            finish = TextFinish(state.finish_reason, len(state.prompt_token_ids), len(state.output_token_ids))
+        return ARStep(ThinkerDelta(out.text_delta, full_payload, finish), multimodal_output, out.finished)
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

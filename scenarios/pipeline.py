@@ -31,11 +31,11 @@ from runtime.connectors.base import Connector
 from runtime.kernel import current_kernel
 from runtime.models.code2wav import SAMPLE_RATE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
-from runtime.models.thinker import ToyTokenizer
+from runtime.models.thinker import EOS_ID, answer_token_ids, prompt_token_ids
 from runtime.orchestrator import ABORTED, Orchestrator
 from runtime.pipeline import Models, build_engine
 from runtime.sched.base import StageOutput
-from runtime.stages import OnOutput
+from runtime.stages import OnOutput, TextFinish
 from scenarios.codec import note_timestamps
 from scenarios.edge import together
 from scenarios.merge import on_each_get
@@ -54,17 +54,17 @@ def models() -> Models:
 
 
 @functools.cache
-def offline_answer(text: str) -> tuple[str, torch.Tensor]:
+def offline_answer(text: str, max_tokens: int | None = None) -> tuple[str, torch.Tensor]:
     """The text and audio of ``text`` with every stage run whole, one after the other."""
     m = models()
-    thought = m.thinker.generate(text)
+    thought = m.thinker.generate(text, max_tokens)
     frames = [
         f
         for f in m.talker.generate(conditioning_from_thinker(thought))
         if not is_placeholder_frame(f) and not is_stop_frame(f)
     ]
     audio = m.code2wav(frames_to_codes(torch.stack(frames))).reshape(-1) if frames else torch.empty(0)
-    return ToyTokenizer.normalize(text), audio
+    return thought.text, audio
 
 
 #: What each (unspecialised) client of a pipeline scenario asks for.
@@ -245,6 +245,8 @@ class Client:
     modalities: tuple[str, ...] | None = None
     word_timestamps: bool = False
     sample_rate: int = SAMPLE_RATE
+    #: The most tokens the answer may have (vLLM's ``max_tokens``).
+    max_tokens: int | None = None
     #: Stop listening after this many outputs (a disconnect: ``generate`` is closed early).
     leave_after: int | None = None
     #: False: the whole answer at once, one output per kind (a non-streamed chat or speech request).
@@ -308,6 +310,7 @@ class Client:
             request_id=self.request_id,
             sample_rate=self.sample_rate,
             stream=self.streamed,
+            max_tokens=self.max_tokens,
         )
         terminal_at: int | None = None  # (where it got its terminal, if it let go there)
         async with aclosing(answer):
@@ -369,7 +372,15 @@ class Client:
                 len(kinds) == len(set(kinds)),
                 f"{self.name}: a whole answer came as {', '.join(kinds)}, not one output per kind",
             )
-        want_text, want_audio = offline_answer(self.text)
+        said = answer_token_ids(self.text, self.max_tokens)
+        want = TextFinish("stop" if said[-1] == EOS_ID else "length", len(prompt_token_ids(self.text)), len(said))
+        finish = self.outputs[-1].text_finish
+        probe(
+            "terminal-delivered",
+            finish == want,
+            f"{self.name}: the terminal says the answer ended {finish}; want {want}",
+        )
+        want_text, want_audio = offline_answer(self.text, self.max_tokens)
         if "text" in self.modalities:
             text = "".join(o.data for o in self.outputs if o.kind is OutputType.TEXT and o.data is not None)
             probe("samples-exactly-once", text == want_text, f"{self.name}: got text {text!r}, want {want_text!r}")
@@ -425,8 +436,9 @@ async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None
 
 @pipeline_scenario(
     "pipeline_requests",
-    summary="three concurrent requests through Thinker → Talker → Code2Wav: one inside the initial "
-    "chunk, one with a remainder, one on the 4+25 boundary (empty terminal); each gets its exact text and audio",
+    summary="four concurrent requests through Thinker → Talker → Code2Wav: one inside the initial "
+    "chunk, one with a remainder, one on the 4+25 boundary (empty terminal), one whose max_tokens of 1 ends the "
+    "Thinker at its prefill; each gets its exact text and audio, and a terminal that says how its answer ended",
     issue="#5413, #5383, spec §1.5–1.6, §4.1–4.2",
 )
 async def pipeline_requests(world: World) -> None:
@@ -434,6 +446,9 @@ async def pipeline_requests(world: World) -> None:
         Client(world, "short", SHORT, "short"),
         Client(world, "remainder", REMAINDER, "remainder"),
         Client(world, "boundary", BOUNDARY, "boundary"),
+        # Its one token comes from the prefill step, which then ends the Thinker: chunk 0 goes
+        # out finished, with the prompt's rows and no generated one.
+        Client(world, "capped", REMAINDER, "capped", max_tokens=1),
     ]
     await together(*((c.name, c.run) for c in clients))
 

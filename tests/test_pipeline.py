@@ -22,7 +22,7 @@ from runtime.connectors.posix_store import PosixStore
 from runtime.connectors.stores import MemoryStore, Store
 from runtime.models.code2wav import SAMPLE_RATE, TAIL, TOTAL_UPSAMPLE, frames_to_codes
 from runtime.models.talker import conditioning_from_thinker, is_placeholder_frame, is_stop_frame
-from runtime.models.thinker import ToyTokenizer
+from runtime.models.thinker import EOS_ID, ToyTokenizer, answer_token_ids, prompt_token_ids
 from runtime.orchestrator import Orchestrator
 from runtime.pipeline import Models, build_engine, run_request
 
@@ -34,11 +34,11 @@ def config(async_chunk: bool) -> PipelineConfig:
     return dataclasses.replace(OMNI, deploy=dataclasses.replace(OMNI.deploy, async_chunk=async_chunk))
 
 
-def offline_audio(text: str) -> torch.Tensor:
+def offline_audio(text: str, max_tokens: int | None = None) -> torch.Tensor:
     """What the pipeline must produce for ``text``: every stage run whole, one after the other."""
     frames = [
         f
-        for f in MODELS.talker.generate(conditioning_from_thinker(MODELS.thinker.generate(text)))
+        for f in MODELS.talker.generate(conditioning_from_thinker(MODELS.thinker.generate(text, max_tokens)))
         if not is_placeholder_frame(f) and not is_stop_frame(f)
     ]
     if not frames:
@@ -105,6 +105,38 @@ def test_streamed_audio_equals_the_offline_decode(store_kind: str, async_chunk: 
     assert result.timestamps[-1].end_ms == pytest.approx(result.audio.numel() / SAMPLE_RATE * 1000, abs=1)
     if async_chunk:
         assert result.time_to_first_audio_s is not None and result.time_to_first_audio_s < result.total_s
+
+
+@pytest.mark.parametrize("async_chunk", [True, False])
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 18, 19, 100])
+def test_max_tokens_cuts_the_answer_short_as_vllm_does(async_chunk: bool, max_tokens: int) -> None:
+    """The answer has at most ``max_tokens`` tokens (EOS among them); one cut short ends with
+    ``"length"``, its audio the whole pipeline's for that answer."""
+    text = "hello world, this is a capped answer"  # 36 bytes: 18 pieces, 19 tokens with EOS
+    whole = answer_token_ids(text)
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        outputs.extend(await collect(engine, text, max_tokens=max_tokens))
+
+    assert with_engine(body, async_chunk=async_chunk) == {}
+    said = whole[:max_tokens]
+    end = outputs[-1]
+    assert end.finished and end.error is None and end.text_finish is not None
+    assert text_of(outputs) == ToyTokenizer.decode([t for t in said if t != EOS_ID])
+    assert end.text_finish.reason == ("stop" if max_tokens >= len(whole) else "length")
+    assert end.text_finish.completion_tokens == len(said)
+    assert end.text_finish.prompt_tokens == len(prompt_token_ids(text))
+    assert torch.allclose(audio_of(outputs), offline_audio(text, max_tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3, 2.0, True, "5"])
+def test_a_max_tokens_that_is_no_count_is_refused_before_the_request_starts(max_tokens: object) -> None:
+    async def body(engine: Orchestrator) -> None:
+        with pytest.raises(ValueError, match="max_tokens must be an integer of at least 1"):
+            await collect(engine, "hello", max_tokens=max_tokens)
+
+    assert with_engine(body) == {}
 
 
 @pytest.mark.parametrize("text", ["hi", "a b c", "one two"])

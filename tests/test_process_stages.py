@@ -22,9 +22,13 @@ from runtime import orchestrator
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
 from runtime.connectors.posix_store import PosixStore
+from runtime.connectors.wire import decode, encode
 from runtime.orchestrator import SHUT_DOWN, Orchestrator, Unavailable
 from runtime.pipeline import Models, PipelineResult, build_engine, run_request
 from runtime.process_stage import ProcessStage
+from runtime.sched.base import StageOutput
+from runtime.stage_process import decode_output, encode_output
+from runtime.stages import TextFinish, ThinkerDelta
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = Models.build()
@@ -58,6 +62,12 @@ def test_the_process_engine_gives_the_in_process_audio_and_leaves_nothing() -> N
     assert split.audio.numel() > 0
     assert torch.equal(split.audio, alone.audio)
     assert split.text == alone.text
+
+
+@pytest.mark.parametrize("finish", [None, TextFinish("length", 3, 5)])
+def test_a_thinker_output_crosses_the_control_plane_whole(finish: TextFinish | None) -> None:
+    out = StageOutput("R#0", ThinkerDelta("hi", None, finish), finished=finish is not None)
+    assert decode_output(decode(encode(encode_output(out)))) == out
 
 
 def test_stage_processes_run_the_config_file_the_head_read(tmp_path: Path) -> None:

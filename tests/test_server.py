@@ -31,6 +31,8 @@ from conftest import left_behind, shm_names
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.sync.client import connect
 
+from runtime.models.thinker import answer_token_ids, prompt_token_ids
+
 REPO = Path(__file__).resolve().parent.parent
 TEXT = "hello world, this is omnisim"
 RATE = 24000
@@ -146,6 +148,38 @@ def test_streamed_chat_chunks_carry_their_modality_and_end_with_usage_when_asked
     assert elapsed == sorted(elapsed) and elapsed[0] >= 0
     heard = sum(m.get("audio_s", 0) for m in metrics)
     assert abs(heard - len(whole) / 2 / RATE) < 1e-3
+
+
+def test_usage_counts_the_thinkers_tokens_and_max_tokens_cuts_the_answer_short(client: openai.OpenAI) -> None:
+    """As vLLM's: ``usage`` counts the prompt's and the answer's tokens (the toy's tokens are
+    byte pairs, EOS included), and ``max_tokens`` (or ``max_completion_tokens``) caps the answer,
+    which then ends with ``"length"`` — streamed or not, in every modality."""
+    prompt, answer = len(prompt_token_ids(TEXT)), len(answer_token_ids(TEXT))
+    whole = client.chat.completions.create(model="qwen3_omni", messages=[{"role": "user", "content": TEXT}])
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt, answer)
+    assert [c.finish_reason for c in whole.choices] == ["stop", "stop"]
+    for cap in ({"max_tokens": 5}, {"max_completion_tokens": 5}, {"max_tokens": 99, "max_completion_tokens": 5}):
+        cut = client.chat.completions.create(model="qwen3_omni", messages=[{"role": "user", "content": TEXT}], **cap)
+        assert cut.choices[0].message.content == TEXT[:10]  # five pieces of two bytes
+        assert [c.finish_reason for c in cut.choices] == ["length", "length"]
+        assert cut.usage is not None and (cut.usage.prompt_tokens, cut.usage.completion_tokens) == (prompt, 5)
+    chunks = list(
+        client.chat.completions.create(
+            model="qwen3_omni",
+            messages=[{"role": "user", "content": TEXT}],
+            modalities=["text"],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == TEXT[:6]
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    stopped = client.chat.completions.create(
+        model="qwen3_omni", messages=[{"role": "user", "content": TEXT}], modalities=["text"], max_tokens=answer
+    )
+    assert stopped.choices[0].message.content == TEXT and stopped.choices[0].finish_reason == "stop"
 
 
 def test_a_streamed_chat_has_a_usage_chunk_only_when_asked(client: openai.OpenAI) -> None:

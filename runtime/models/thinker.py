@@ -8,7 +8,8 @@ Obviously a toy, on purpose:
   :data:`NUM_SPECIAL` are special tokens. No vocabulary file, nothing downloaded, and ``decode``
   is exact.
 * **Answer**: the Thinker *echoes* its input with whitespace normalised
-  (:meth:`ToyTokenizer.normalize`), followed by EOS. The tokens are teacher-forced, not sampled;
+  (:meth:`ToyTokenizer.normalize`), followed by EOS — or, as vLLM's ``max_tokens`` does, only its
+  first ``max_tokens`` tokens, without the EOS it did not reach. The tokens are teacher-forced, not sampled;
   the model compute is real (an embedding and a stack of GRU layers run over every position) and
   produces the hidden states the Talker conditions on.
 * **Duration hint**: channel :data:`DURATION_CHANNEL` of the embedding output (layer 0) is not
@@ -21,7 +22,9 @@ Obviously a toy, on purpose:
 Step semantics mirror a vLLM model runner: step 0 (prefill) runs every prompt position and
 returns their layer rows; step k ≥ 1 runs the token generated at step k − 1 and returns its row.
 So the rows of a request arrive as ``P`` prompt rows, then one row per generated token, and the
-row of the final EOS is never produced (its duration is 0 anyway).
+row of the final EOS is never produced (its duration is 0 anyway; an answer cut short by
+``max_tokens`` loses its last token's row, and that token's frame, as a real Thinker's Talker
+never gets the hidden state of a token no step ran).
 """
 
 from __future__ import annotations
@@ -97,9 +100,12 @@ class ToyTokenizer:
         return 1 if cls.piece_bytes(token_id).strip() else 0
 
 
-def answer_token_ids(text: str) -> list[int]:
-    """The Thinker's output tokens for ``text``: the normalised echo, then EOS."""
-    return [*ToyTokenizer.encode(ToyTokenizer.normalize(text)), EOS_ID]
+def answer_token_ids(text: str, max_tokens: int | None = None) -> list[int]:
+    """The Thinker's output tokens for ``text``: the normalised echo, then EOS; at most
+    ``max_tokens`` of them."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    return [*ToyTokenizer.encode(ToyTokenizer.normalize(text)), EOS_ID][:max_tokens]
 
 
 def prompt_token_ids(text: str) -> list[int]:
@@ -121,13 +127,22 @@ class ThinkerState:
     """One request's decoding state. Owned by the caller; :meth:`Thinker.step` updates it in place."""
 
     prompt_token_ids: list[int]
-    #: The whole answer (echo + EOS), fixed at ``init_state``; ``output_token_ids`` is its prefix so far.
+    #: The whole answer (echo + EOS, or its first ``max_tokens``), fixed at ``init_state``;
+    #: ``output_token_ids`` is its prefix so far.
     target_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     #: Per-layer GRU state ``[1, THINKER_HIDDEN]``; None until the prefill ran.
     hidden: list[torch.Tensor] | None = None
     finished: bool = False
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's: ``"stop"`` once the answer ended with EOS, ``"length"`` once it ran out of
+        ``max_tokens`` first; None while it runs."""
+        if not self.finished:
+            return None
+        return "stop" if self.output_token_ids[-1] == EOS_ID else "length"
 
 
 @dataclass(frozen=True)
@@ -150,7 +165,7 @@ class ThinkerStep:
 @dataclass(frozen=True)
 class ThinkerOutput:
     """A whole request's Thinker output (:meth:`Thinker.generate`): ``layers`` rows cover the
-    prompt positions, then one per generated token except the final EOS."""
+    prompt positions, then one per generated token except the last."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -220,15 +235,18 @@ class Thinker(nn.Module):
         rows = self.embed_tokens([TTS_BOS_ID, TTS_EOS_ID, TTS_PAD_ID])
         return {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
 
-    def init_state(self, text: str) -> ThinkerState:
-        """A fresh request for ``text``; nothing is computed until the first :meth:`step`."""
-        return ThinkerState(prompt_token_ids=prompt_token_ids(text), target_token_ids=answer_token_ids(text))
+    def init_state(self, text: str, max_tokens: int | None = None) -> ThinkerState:
+        """A fresh request for ``text`` that generates at most ``max_tokens``; nothing is computed
+        until the first :meth:`step`."""
+        return ThinkerState(
+            prompt_token_ids=prompt_token_ids(text), target_token_ids=answer_token_ids(text, max_tokens)
+        )
 
     @torch.no_grad()
     def step(self, state: ThinkerState) -> ThinkerStep:
         """Run one forward pass (the prefill on the first call) and emit the next token.
 
-        Raises ``RuntimeError`` once the request has finished (after EOS).
+        Raises ``RuntimeError`` once the request has finished (after EOS, or its last token).
         """
         if state.finished:
             raise RuntimeError("Thinker.step on a finished request")
@@ -240,7 +258,7 @@ class Thinker(nn.Module):
         layers = self._run(positions, state.hidden)
         token = state.target_token_ids[len(state.output_token_ids)]
         state.output_token_ids.append(token)
-        state.finished = token == EOS_ID
+        state.finished = len(state.output_token_ids) == len(state.target_token_ids)
         delta = state._utf8.decode(ToyTokenizer.piece_bytes(token), final=state.finished)
         return ThinkerStep(token_id=token, text_delta=delta, layers=layers, finished=state.finished)
 
@@ -254,9 +272,9 @@ class Thinker(nn.Module):
             x = layers[index + 1] = out[:, 0]
         return layers
 
-    def generate(self, text: str) -> ThinkerOutput:
+    def generate(self, text: str, max_tokens: int | None = None) -> ThinkerOutput:
         """Run a whole request through :meth:`step` and gather every row (the full-payload view)."""
-        state = self.init_state(text)
+        state = self.init_state(text, max_tokens)
         steps = ThinkerSteps()
         while not state.finished:
             steps.append(self.step(state))

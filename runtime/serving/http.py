@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import anyio
 import torch
@@ -55,6 +55,7 @@ from runtime.serving.requests import (
     parse_speech,
     parse_speech_batch,
 )
+from runtime.stages import TextFinish
 
 #: The largest request body read (a 20,000-character input is well under it).
 MAX_BODY_BYTES = 1 << 20
@@ -137,19 +138,23 @@ class Server:
         chat = await self._accept("chat", request, parse_chat)
         began = current_kernel().now()
         rid = _request_id("chatcmpl")
-        outputs = self._outputs(chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid)
+        outputs = self._outputs(
+            chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid, max_tokens=chat.max_tokens
+        )
         if chat.stream:
-            return _sse(self._chat_chunks(rid, chat.text, chat.audio_format, chat.include_usage, outputs, began))
+            return _sse(self._chat_chunks(rid, chat.audio_format, chat.include_usage, outputs, began))
         collected = await _unless_gone(request, lambda: _collect(outputs))
         if collected is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        text, audio, _, error = collected
+        text, audio, _, error, finish = collected
         if error is not None:
             raise _request_failed(error)
+        # (an answer cut short by max_tokens is cut short in every modality: the audio says it)
+        reason = finish.reason if finish else "stop"
         choices: list[dict[str, Any]] = []
         if "text" in chat.modalities:
             message = {"role": "assistant", "content": text}
-            choices.append({"index": len(choices), "message": message, "finish_reason": "stop"})
+            choices.append({"index": len(choices), "message": message, "finish_reason": reason})
         if "audio" in chat.modalities:
             clip = {
                 "id": f"audio-{rid}",
@@ -158,7 +163,7 @@ class Server:
                 "transcript": "",
             }
             message = {"role": "assistant", "content": None, "audio": clip}
-            choices.append({"index": len(choices), "message": message, "finish_reason": "stop"})
+            choices.append({"index": len(choices), "message": message, "finish_reason": reason})
         return JSONResponse(
             {
                 "id": rid,
@@ -166,7 +171,7 @@ class Server:
                 "created": int(_wall_clock()),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": _usage(chat.text, text),
+                "usage": _usage(finish),
                 "metrics": _metrics(began, audio),
             }
         )
@@ -174,7 +179,6 @@ class Server:
     async def _chat_chunks(
         self,
         rid: str,
-        prompt: str,
         audio_format: str,
         include_usage: bool,
         outputs: AsyncIterator[ClientOutput],
@@ -189,14 +193,13 @@ class Server:
             body |= {"model": self.model_name, "modality": modality, "metrics": _metrics(began, audio)}
             return body | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
-        said: list[str] = []
         error: str | None = None
+        finish: TextFinish | None = None
         async with aclosing(outputs) as stream:
             async for out in stream:
                 if out.finished:
-                    error = out.error
+                    error, finish = out.error, out.text_finish
                 elif out.kind is OutputType.TEXT:
-                    said.append(out.data)
                     yield chunk("text", {"role": "assistant", "content": out.data})
                 elif out.kind is OutputType.AUDIO:
                     data = base64.b64encode(await _encoded(out.data, audio_format)).decode()
@@ -204,7 +207,7 @@ class Server:
         if error is not None:
             yield _request_failed(error).body()
             return
-        yield chunk(None, {}, "stop")
+        yield chunk(None, {}, finish.reason if finish else "stop")
         if include_usage:
             yield {
                 "id": rid,
@@ -212,7 +215,7 @@ class Server:
                 "created": created,
                 "model": self.model_name,
                 "choices": [],
-                "usage": _usage(prompt, "".join(said)),
+                "usage": _usage(finish),
             }
 
     # -- speech -------------------------------------------------------------------------------
@@ -224,25 +227,25 @@ class Server:
             speech.text, ("audio",), stream=speech.stream, word_timestamps=speech.word_timestamps, rid=rid
         )
         if speech.stream_format == "sse":
-            return _sse(_speech_events(speech.text, outputs), named=True)
+            return _sse(_speech_events(outputs), named=True)
         if speech.stream_format == "audio":
             media = MEDIA_TYPES[speech.response_format]
             return _Streamed(_raw_audio(speech.response_format, outputs), media_type=media)
         spoken = await _unless_gone(request, lambda: _spoken(speech, outputs))
         if spoken is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        audio, stamps, error = spoken
+        answer, error = spoken
         if error is not None:
             raise error
-        headers = _usage_headers(speech.text, audio)
+        headers = _usage_headers(answer)
         if speech.word_timestamps:
-            value = json.dumps(_timestamps(stamps), separators=(",", ":"))
+            value = json.dumps(_timestamps(answer.stamps), separators=(",", ":"))
             if len(value) <= WORD_TIMESTAMPS_HEADER_CAP:
                 headers["X-Word-Timestamps"] = value
             else:
                 omitted = f"oversize; bytes={len(value)}; limit={WORD_TIMESTAMPS_HEADER_CAP}"
                 headers["X-Word-Timestamps-Omitted"] = omitted
-        body = await _encoded(audio, speech.response_format)
+        body = await _encoded(answer.audio, speech.response_format)
         return Response(body, media_type=MEDIA_TYPES[speech.response_format], headers=headers)
 
     async def speech_batch(self, request: Request) -> Response:
@@ -276,14 +279,14 @@ class Server:
         except ApiError as e:
             return {"status": "error", "error": str(e)}
         outputs = self._outputs(speech.text, ("audio",), stream=False, word_timestamps=False, rid=_request_id("speech"))
-        audio, _, error = await _spoken(speech, outputs)
+        answer, error = await _spoken(speech, outputs)
         if error is not None:
             return {"status": "error", "error": str(error)}
         return {
             "status": "success",
-            "audio_data": base64.b64encode(await _encoded(audio, speech.response_format)).decode(),
+            "audio_data": base64.b64encode(await _encoded(answer.audio, speech.response_format)).decode(),
             "media_type": MEDIA_TYPES[speech.response_format],
-            "usage": _speech_usage(speech.text, audio.numel()),
+            "usage": _speech_usage(answer.text_finish, answer.audio.numel()),
         }
 
     # -- the WebSocket --------------------------------------------------------------------------
@@ -491,7 +494,14 @@ class Server:
             )
 
     async def _outputs(
-        self, text: str, modalities: tuple[str, ...], *, stream: bool, word_timestamps: bool, rid: str
+        self,
+        text: str,
+        modalities: tuple[str, ...],
+        *,
+        stream: bool,
+        word_timestamps: bool,
+        rid: str,
+        max_tokens: int | None = None,
     ) -> AsyncIterator[ClientOutput]:
         """``generate``, measured: how its audio would play, and whether it ran to its end."""
         k = current_kernel()
@@ -502,7 +512,13 @@ class Server:
             try:
                 async with aclosing(
                     generate(
-                        self.engine, text, modalities, stream=stream, word_timestamps=word_timestamps, request_id=rid
+                        self.engine,
+                        text,
+                        modalities,
+                        stream=stream,
+                        word_timestamps=word_timestamps,
+                        request_id=rid,
+                        max_tokens=max_tokens,
                     )
                 ) as stream_:
                     async for out in stream_:
@@ -527,15 +543,16 @@ class Server:
                 self.metrics.finished(playback, k.now())
 
 
-async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[dict[str, Any]]:
+async def _speech_events(outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[dict[str, Any]]:
     """``speech.audio.delta`` events (PCM, base64), then ``speech.audio.done`` with usage, or
     ``speech.audio.error``."""
     samples = 0
     error: str | None = None
+    finish: TextFinish | None = None
     async with aclosing(outputs) as stream:
         async for out in stream:
             if out.finished:
-                error = out.error
+                error, finish = out.error, out.text_finish
             elif out.kind is OutputType.AUDIO:
                 samples += out.data.numel()
                 audio = base64.b64encode(pcm16(out.data)).decode()
@@ -543,7 +560,7 @@ async def _speech_events(prompt: str, outputs: AsyncIterator[ClientOutput]) -> A
     if error is not None:
         yield {"type": "speech.audio.error", **_request_failed(error).body()}
     else:
-        yield {"type": "speech.audio.done", "usage": _speech_usage(prompt, samples)}
+        yield {"type": "speech.audio.done", "usage": _speech_usage(finish, samples)}
 
 
 async def _raw_audio(fmt: str, outputs: AsyncIterator[ClientOutput]) -> AsyncIterator[bytes]:
@@ -579,37 +596,45 @@ class _Streamed(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _collect(
-    outputs: AsyncIterator[ClientOutput],
-) -> tuple[str, Any, list[WordTimestamp], str | None]:
-    text, audio, stamps, error = "", torch.empty(0), [], None
+class Answer(NamedTuple):
+    """A whole (not streamed) answer: its text, audio and word timestamps; the error it failed
+    with, or how its text ended."""
+
+    text: str
+    audio: Any
+    stamps: list[WordTimestamp]
+    error: str | None
+    text_finish: TextFinish | None
+
+
+async def _collect(outputs: AsyncIterator[ClientOutput]) -> Answer:
+    text, audio, stamps, error, finish = "", torch.empty(0), [], None, None
     async with aclosing(outputs) as stream:
         async for out in stream:
             if out.finished:
-                error = out.error
+                error, finish = out.error, out.text_finish
             elif out.kind is OutputType.TEXT:
                 text = out.data
             elif out.kind is OutputType.AUDIO:
                 audio = out.data
             elif out.kind is OutputType.TIMESTAMPS:
                 stamps = out.data
-    return text, audio, stamps, error
+    return Answer(text, audio, stamps, error, finish)
 
 
-async def _spoken(
-    speech: SpeechRequest, outputs: AsyncIterator[ClientOutput]
-) -> tuple[Any, list[WordTimestamp], ApiError | None]:
-    """The whole audio of a speech request and its word timestamps, at the speed it asked for;
-    or the :class:`ApiError` that says how it failed (returned: raised inside a task group, it
-    would arrive wrapped in an exception group)."""
-    _, audio, stamps, error = await _collect(outputs)
-    if error is not None:
-        return audio, stamps, _request_failed(error)
+async def _spoken(speech: SpeechRequest, outputs: AsyncIterator[ClientOutput]) -> tuple[Answer, ApiError | None]:
+    """The whole answer of a speech request, its audio and word timestamps at the speed it asked
+    for; or the :class:`ApiError` that says how it failed (returned: raised inside a task group,
+    it would arrive wrapped in an exception group)."""
+    answer = await _collect(outputs)
+    if answer.error is not None:
+        return answer, _request_failed(answer.error)
     if speech.speed != 1.0:
         # Played faster or slower like tape: the same samples over a shorter or longer time.
-        audio = serving.resample(audio, round(speech.speed * 1000), 1000)
-        stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in stamps]
-    return audio, stamps, None
+        audio = serving.resample(answer.audio, round(speech.speed * 1000), 1000)
+        stamps = [WordTimestamp(t.word, t.start_ms / speech.speed, t.end_ms / speech.speed) for t in answer.stamps]
+        answer = answer._replace(audio=audio, stamps=stamps)
+    return answer, None
 
 
 async def _unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
@@ -742,9 +767,9 @@ def _wall_clock() -> float:
     return datetime.datetime.now(datetime.UTC).timestamp()
 
 
-def _usage(prompt: str, answer: str) -> dict[str, int]:
-    """Token counts of the toy pipeline, whose tokens are UTF-8 bytes."""
-    prompt_tokens, completion_tokens = len(prompt.encode()), len(answer.encode())
+def _usage(finish: TextFinish | None) -> dict[str, int]:
+    """The Thinker's token counts (none for a request that failed)."""
+    prompt_tokens, completion_tokens = (finish.prompt_tokens, finish.completion_tokens) if finish else (0, 0)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -761,8 +786,9 @@ def _metrics(began: float, audio: Any) -> dict[str, float]:
     return metrics
 
 
-def _speech_usage(prompt: str, output_tokens: int) -> dict[str, Any]:
-    text_tokens = len(prompt.encode())
+def _speech_usage(finish: TextFinish | None, output_tokens: int) -> dict[str, Any]:
+    """The text's tokens in (the Thinker's prompt), the audio's samples out."""
+    text_tokens = finish.prompt_tokens if finish else 0
     return {
         "input_tokens": text_tokens,
         "output_tokens": output_tokens,
@@ -771,8 +797,8 @@ def _speech_usage(prompt: str, output_tokens: int) -> dict[str, Any]:
     }
 
 
-def _usage_headers(prompt: str, audio: Any) -> dict[str, str]:
-    usage = _speech_usage(prompt, audio.numel())
+def _usage_headers(answer: Answer) -> dict[str, str]:
+    usage = _speech_usage(answer.text_finish, answer.audio.numel())
     return {
         "x-vllm-omni-input-tokens": str(usage["input_tokens"]),
         "x-vllm-omni-output-tokens": str(usage["output_tokens"]),

@@ -78,8 +78,6 @@ _CHAT_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_p": (_number_in(0, 1, above=True), "a number in (0, 1]"),
     "top_k": (lambda v: _is_int(v) and (v >= 1 or v in (0, -1)), "an integer >= 1 (0 or -1: off)"),
     "min_p": (_number_in(0, 1), "a number in [0, 1]"),
-    "max_tokens": (_int_from(1), "an integer >= 1"),
-    "max_completion_tokens": (_int_from(1), "an integer >= 1"),
     "min_tokens": (_int_from(0), "an integer >= 0"),
     "seed": (_is_int, "an integer"),
     "user": (_is_str, "a string"),
@@ -114,6 +112,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    #: The most tokens the answer may have (None: as many as it takes).
+    max_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,8 @@ _CHAT_FIELDS = frozenset(
         "response_format",
         "tools",
         "tool_choice",
+        "max_tokens",
+        "max_completion_tokens",
     }
 )
 
@@ -252,6 +254,8 @@ def parse_chat(raw: object) -> ChatRequest:
     stream = _field(body, "stream", _is_bool, "a boolean", False)
     if options and not stream:  # (as OpenAI and vLLM refuse it)
         raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    # (OpenAI's newer name wins, as in vLLM)
+    max_tokens = _field(body, "max_tokens", _int_from(1), "an integer >= 1", None)
     return ChatRequest(
         text=_text(said[-1], "messages"),
         modalities=tuple(modalities),
@@ -259,6 +263,7 @@ def parse_chat(raw: object) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         model=_field(body, "model", _is_str, "a string", None),
+        max_tokens=_field(body, "max_completion_tokens", _int_from(1), "an integer >= 1", max_tokens),
     )
 
 
