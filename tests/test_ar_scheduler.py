@@ -87,3 +87,18 @@ async def test_last_stage_requests_send_nothing_downstream() -> None:
     await scheduler.step()
     await scheduler.step()
     assert not scheduler.adapter.sender._pending_save_reqs and scheduler.residue() == {}
+
+
+async def test_a_new_request_no_step_took_up_is_work_whatever_the_doorbell_says() -> None:
+    """An idle wait's ``ready=`` is what the simulator's lost-wakeup check reads: it must see a
+    request no step took up yet even when the doorbell's flag was cleared (the slip it judges)."""
+    scheduler = make(receives=True)
+    scheduler.add_request(Request("whole", "W"), {"text": "x"})
+    scheduler.add_request(Request("fed", "F", prompt_token_ids=[0]))
+    scheduler._new_work = False
+    assert scheduler._has_work()
+    await scheduler.step()  # decodes the one, registers the other for its first chunk
+    scheduler._new_work = False
+    assert scheduler._has_work()  # the first has a step left
+    await scheduler.step()
+    assert not scheduler._has_work() and set(scheduler.requests) == {"fed"}

@@ -74,3 +74,13 @@ async def test_zero_disables_the_deadline_and_abort_frees_the_request() -> None:
     assert await scheduler.step() == []  # the parked request is purged, never re-injected (#3736)
     assert scheduler.residue() == {}
     assert scheduler.adapter.residue() == {}  # its queued poll went with the registration
+
+
+async def test_a_new_request_no_step_took_up_is_work_whatever_the_doorbell_says() -> None:
+    """As for the AR scheduler: what the lost-wakeup check reads sees a request no step took up."""
+    scheduler = make_scheduler(600.0)
+    scheduler.add_request(Request("r-code2wav", "r"))
+    scheduler._new_work = False
+    assert scheduler._has_work()
+    await scheduler.step()  # parks it, registered for its first chunk
+    assert not scheduler._has_work()

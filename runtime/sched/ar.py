@@ -90,6 +90,13 @@ class ARScheduler(StageScheduler):
         request.status = RequestStatus.WAITING
         super().add_request(request)
 
+    def _has_new_request(self) -> bool:
+        """A step decodes every request that can decode and registers every chunk-fed one for its
+        next chunk: one that can, or is not registered, came after the last step looked."""
+        return any(self.worker.ready(r) for r in self.requests.values()) or any(
+            rid not in self.registered and not self.adapter.is_done_receiving_chunks(rid) for rid in self.chunk_fed
+        )
+
     async def step(self) -> list[StageOutput]:
         outputs = await self._apply_aborts()
         outputs += await self._process_pending_chunks()

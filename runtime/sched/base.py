@@ -103,9 +103,14 @@ class StageScheduler:
 
     def _has_work(self) -> bool:
         """:meth:`_has_news`, or work whose doorbell must have rung since the last step began (an
-        abort is applied, and the stop seen, at a step's start): what makes an idle wait a lost
-        wakeup, whether or not the flag says so (the flag is what a slip would clear)."""
-        return self._has_news() or bool(self.pending_aborts) or self._stopped
+        abort is applied, and the stop seen, at a step's start; a new request is taken up by the
+        step after it came): what makes an idle wait a lost wakeup, whether or not the flag says
+        so (the flag is what a slip would clear)."""
+        return self._has_news() or bool(self.pending_aborts) or self._stopped or self._has_new_request()
+
+    def _has_new_request(self) -> bool:
+        """Whether a request came that no step took up yet (each scheduler knows by its own state)."""
+        return False
 
     async def step(self) -> list[StageOutput]:
         raise NotImplementedError

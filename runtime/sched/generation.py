@@ -82,6 +82,11 @@ class GenerationScheduler(StageScheduler):
         """Upstream has nothing more for the request: its terminal chunk arrived, or it was forwarded whole."""
         return request_id in self.forwarded or self.adapter.is_done_receiving_chunks(request_id)
 
+    def _has_new_request(self) -> bool:
+        """A step moves every waiting request on (to running, or parked waiting for its chunk):
+        one still plainly waiting came after it."""
+        return any(r.status is RequestStatus.WAITING for r in self.waiting)
+
     # -- one step ---------------------------------------------------------------------------------
 
     async def step(self) -> list[StageOutput]:
