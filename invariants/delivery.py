@@ -77,6 +77,41 @@ def liveness(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "stream-window-kept",
+    "a stage with an active-stream window takes up at most that many requests' chunk streams at once, first come "
+    "first served, and keeps each until the request ends there (#5349: not until its upstream finished)",
+)
+def stream_window_kept(world: ObservedWorld) -> list[str]:
+    out = []
+    active: dict[object, dict[object, None]] = {}  # stage -> its active streams, in admission order
+    arrived: dict[object, list[object]] = {}  # stage -> requests, in the order they registered there
+    for ev in world.trace:
+        stage, req = ev.attrs.get("stage"), ev.attrs.get("req")
+        if ev.name == "sched.add":
+            arrived.setdefault(stage, []).append(req)
+        elif ev.name == "adapter.stream.admitted":
+            streams = active.setdefault(stage, {})
+            if req in streams:
+                out.append(f"stage {stage} took up {req}'s stream again: it let it go before the request ended there")
+            streams[req] = None
+            window = ev.attrs["window"]
+            if len(streams) > window:  # type: ignore[operator]
+                out.append(
+                    f"stage {stage} took up {len(streams)} streams at once ({', '.join(map(str, streams))}); "
+                    f"its window is {window}"
+                )
+            order = arrived.get(stage, [])
+            earlier = [r for r in order[: order.index(req)] if r not in streams] if req in order else []
+            if earlier:
+                out.append(f"stage {stage} took up {req}'s stream before {earlier[0]}'s, which came first")
+        elif ev.name == "adapter.unregister" and ev.attrs.get("why") == "cleanup":
+            active.get(stage, {}).pop(req, None)
+            if req in arrived.get(stage, []):
+                arrived[stage].remove(req)
+    return out
+
+
+@invariant(
     "streamed-as-made",
     "a streamed answer reaches its client as it is made: each audio chunk the final stage decodes is on the "
     "client's stream once the stage hands it out; only the stage's finished output waits for the other stages",

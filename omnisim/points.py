@@ -86,12 +86,18 @@ POINTS: dict[str, tuple[str, str]] = {
     ),
     "adapter.poll": ("note", "the receive task polls the next chunk of a registration [stage, req, entry, key]"),
     "adapter.poll.discarded": ("note", "a chunk consumed by a stale registration was dropped [req, key]"),
+    "adapter.stream.admitted": (
+        "note",
+        "the active-stream window took up a request's chunk stream: it stays until cleanup_receiver [stage, req, "
+        "window]",
+    ),
     "adapter.cleanup_receiver.begin": ("point", "cleanup_receiver starts [req]"),
     "adapter.cleanup_receiver.end": ("point", "cleanup_receiver returns [req]"),
     "orch.submit": ("point", "a client submits a request (before waiting out a reused id's sweep) [req]"),
     "orch.abort.begin": ("point", "the orchestrator starts aborting a request on every stage [req]"),
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.stage_died": ("note", "a stage's process died; the requests bound to it fail [stage, reason]"),
+    "sched.add": ("note", "a stage's scheduler got a request (its whole input, or a placeholder) [stage, req]"),
     "orch.accepted": ("note", "a request was accepted: a new generation of its id starts on the stages [req]"),
     "orch.released": (
         "note",

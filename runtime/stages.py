@@ -369,6 +369,7 @@ def build_stage(
         sends_chunks=sends,
         worker_type="ar" if spec.kind is StageKind.LLM_AR else "generation",
         name=spec.name,
+        active_stream_window=config.deploy.stage(sid).active_stream_window,
     )
     if isinstance(model, Code2Wav):
         runner = code2wav_runner(model, meter)

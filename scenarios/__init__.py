@@ -13,6 +13,7 @@ from scenarios import (  # noqa: F401
     large,
     model_failure,
     mutants_4855,
+    mutants_5349,
     mutants_6670,
     mutants_8082,
     mutants_codec,
@@ -30,6 +31,7 @@ from scenarios import (  # noqa: F401
     segments,
     stage_crash,
     store_model,
+    stream_window,
     sweep_report,
 )
 

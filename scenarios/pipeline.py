@@ -93,11 +93,13 @@ def shipped_config() -> PipelineConfig:
     return load_pipeline("qwen3_omni")
 
 
-def pipeline_world(store_kind: str, params: Params, stage_models: Models | None = None) -> World:
-    """The shipped pipeline's engine on the world's store, with the process's models unless
-    ``stage_models`` are given."""
+def pipeline_world(
+    store_kind: str, params: Params, stage_models: Models | None = None, config: PipelineConfig | None = None
+) -> World:
+    """The engine of ``config`` (default: the shipped pipeline) on the world's store, with the
+    process's models unless ``stage_models`` are given."""
     world = World(store_kind)
-    config = shipped_config()
+    config = config or shipped_config()
     if params.get("async_chunk") == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
     engine = build_engine(config, stage_models or models(), world.store)

@@ -580,3 +580,24 @@ def test_a_crash_outside_the_runtime_says_where_it_was_raised() -> None:
     )
     assert _not_the_runtimes(traceback("/home/me/test_mine.py", f"{runtime_dir}/stages.py")) == ""
     assert _not_the_runtimes(traceback(f"{runtime_dir}/stages.py", library)) == ""
+
+
+def test_stream_window_kept_sees_a_window_overrun_a_queue_jumped_and_a_slot_let_go_early() -> None:
+    def added(*reqs: str) -> list[tuple[str, dict[str, object]]]:
+        return [("sched.add", {"stage": 1, "req": r}) for r in reqs]
+
+    def admitted(req: str, window: int = 1) -> tuple[str, dict[str, object]]:
+        return ("adapter.stream.admitted", {"stage": 1, "req": req, "window": window})
+
+    ended = ("adapter.unregister", {"stage": 1, "req": "A", "why": "cleanup"})
+    check = INVARIANTS["stream-window-kept"].check
+    assert check(world_of(*added("A", "B"), admitted("A"), ended, admitted("B"))) == []
+    assert check(world_of(*added("A", "B"), admitted("A"), admitted("B"))) == [
+        "stage 1 took up 2 streams at once (A, B); its window is 1"
+    ]
+    assert check(world_of(*added("A", "B"), admitted("B", 2))) == [
+        "stage 1 took up B's stream before A's, which came first"
+    ]
+    assert check(world_of(*added("A"), admitted("A"), admitted("A"))) == [
+        "stage 1 took up A's stream again: it let it go before the request ended there"
+    ]

@@ -50,12 +50,14 @@ def with_engine(
     body: Callable[[Orchestrator], Awaitable[None]],
     *,
     async_chunk: bool = True,
+    pipeline: PipelineConfig | None = None,
     store: Store | None = None,
     **kw: float,
 ) -> dict[str, list[str]]:
-    """Run ``body`` against a running engine; the residue once every request was released."""
+    """Run ``body`` against a running engine (of ``pipeline``, default: the shipped one with
+    ``async_chunk``); the residue once every request was released."""
     store = store if store is not None else MemoryStore()
-    engine = build_engine(config(async_chunk), MODELS, store, **kw)
+    engine = build_engine(pipeline or config(async_chunk), MODELS, store, **kw)
 
     async def main() -> dict[str, list[str]]:
         async with trio.open_nursery() as nursery:
@@ -128,6 +130,29 @@ def test_max_tokens_cuts_the_answer_short_as_vllm_does(async_chunk: bool, max_to
     assert end.text_finish.completion_tokens == len(said)
     assert end.text_finish.prompt_tokens == len(prompt_token_ids(text))
     assert torch.allclose(audio_of(outputs), offline_audio(text, max_tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_an_active_stream_window_takes_streams_up_in_turn_and_answers_each_in_full(window: int) -> None:
+    """#5349: with at most ``window`` streams active on the Talker and on Code2Wav, the others
+    wait their turn, and a stream whose upstream finished first stays active until it ends."""
+    stages = tuple(dataclasses.replace(s, active_stream_window=window) for s in OMNI.deploy.stages)
+    windowed = dataclasses.replace(OMNI, deploy=dataclasses.replace(OMNI.deploy, stages=stages))
+    texts = {f"R{i}": f"answer number {i} of four, said in turn" for i in range(4)}
+    outputs: dict[str, list[ClientOutput]] = {}
+
+    async def body(engine: Orchestrator) -> None:
+        async def one(rid: str) -> None:
+            outputs[rid] = await collect(engine, texts[rid], request_id=rid)
+
+        async with trio.open_nursery() as clients:
+            for rid in texts:
+                clients.start_soon(one, rid)
+
+    assert with_engine(body, pipeline=windowed) == {}
+    for rid, text in texts.items():
+        assert outputs[rid][-1].finished and outputs[rid][-1].error is None
+        assert torch.allclose(audio_of(outputs[rid]), offline_audio(text), atol=1e-5)
 
 
 @pytest.mark.parametrize("max_tokens", [0, -3, 2.0, True, "5"])

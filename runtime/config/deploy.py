@@ -61,6 +61,9 @@ class StageDeploy:
     async_scheduling: bool = False
     device: str = "cpu"
     connector_role: ConnectorRole | None = None
+    #: How many requests' chunk streams the stage takes up at once (spec §5.2, #5349): the others
+    #: wait, in arrival order, for a slot that only the end of a request frees. 0: no limit.
+    active_stream_window: int = 0
 
 
 class Transport(StrEnum):
@@ -121,7 +124,7 @@ DEPLOY_KEYS = (
 )
 EDGE_KEYS = ("from_stage", "to_stage", "transport")
 RESTART_POLICIES = ("restart", "fail")
-STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role")
+STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role", "active_stream_window")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -163,6 +166,7 @@ def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployCo
             async_scheduling=stage_fields.get_bool("async_scheduling", False),
             device=check_device(stage_fields.get_str("device", "cpu"), stage_fields.at("device")),
             connector_role=stage_fields.get_optional_enum("connector_role", ConnectorRole),
+            active_stream_window=stage_fields.get_int("active_stream_window", 0, minimum=0),
         )
     restart = fields.get_str("restart", "restart")
     if restart not in RESTART_POLICIES:

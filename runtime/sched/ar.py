@@ -91,11 +91,17 @@ class ARScheduler(StageScheduler):
         super().add_request(request)
 
     def _has_new_request(self) -> bool:
-        """A step decodes every request that can decode and registers every chunk-fed one for its
-        next chunk: one that can, or is not registered, came after the last step looked."""
-        return any(self.worker.ready(r) for r in self.requests.values()) or any(
-            rid not in self.registered and not self.adapter.is_done_receiving_chunks(rid) for rid in self.chunk_fed
+        """A step decodes every request that can decode and registers every chunk-fed one its
+        active-stream window lets in for its next chunk: one that can, or is not registered,
+        came after the last step looked."""
+        unregistered = (rid for rid in self.chunk_fed if rid not in self.registered)
+        return any(self._can_decode(r) for r in self.requests.values()) or any(
+            not self.adapter.is_done_receiving_chunks(rid) and self.adapter.may_admit(rid) for rid in unregistered
         )
+
+    def _can_decode(self, request: Request) -> bool:
+        """Its model has input to step on, and the active-stream window lets it run."""
+        return self.worker.ready(request) and self.adapter.is_active(request.request_id)
 
     async def step(self) -> list[StageOutput]:
         outputs = await self._apply_aborts()
@@ -106,7 +112,10 @@ class ARScheduler(StageScheduler):
 
     async def _process_pending_chunks(self) -> list[StageOutput]:
         failed = []
+        self.adapter.admit(self.chunk_fed)  # (in arrival order)
         for rid in list(self.chunk_fed):
+            if not self.adapter.is_active(rid):
+                continue  # held back by the active-stream window: not registered, not stepped
             request = self.requests[rid]
             if self.adapter.pop_ready(rid):
                 self.registered.pop(rid, None)
@@ -130,7 +139,7 @@ class ARScheduler(StageScheduler):
 
     async def _decode(self) -> list[StageOutput]:
         outputs = []
-        for request in [r for r in self.requests.values() if self.worker.ready(r)]:
+        for request in [r for r in self.requests.values() if self._can_decode(r)]:
             try:
                 step = await current_kernel().compute(lambda request=request: self.worker.step(request))
             except Exception as e:

@@ -63,6 +63,7 @@ class StageScheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        current_kernel().note("sched.add", stage=self.adapter.stage_id, req=request.request_id)
         self._ring()
 
     def has_unfinished(self) -> bool:

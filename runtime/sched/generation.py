@@ -83,9 +83,9 @@ class GenerationScheduler(StageScheduler):
         return request_id in self.forwarded or self.adapter.is_done_receiving_chunks(request_id)
 
     def _has_new_request(self) -> bool:
-        """A step moves every waiting request on (to running, or parked waiting for its chunk):
-        one still plainly waiting came after it."""
-        return any(r.status is RequestStatus.WAITING for r in self.waiting)
+        """A step moves every waiting request its active-stream window lets in on (to running,
+        or parked waiting for its chunk): one still plainly waiting that it lets in came after."""
+        return any(r.status is RequestStatus.WAITING and self.adapter.may_admit(r.request_id) for r in self.waiting)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -109,12 +109,19 @@ class GenerationScheduler(StageScheduler):
     async def _process_pending_chunks(self) -> list[Request]:
         """Register requests for their next chunk and mark arrivals ready; returns the parked."""
         parked: list[Request] = []
+        self.adapter.admit(rid for rid in self.requests if rid not in self.forwarded)  # (in arrival order)
         for queue, target in ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING)):
             for request in list(queue):
                 rid = request.request_id
                 if not self._is_tracked(request):  # freed by an abort while queued (#3736)
                     queue.remove(request)
                     await self.adapter.cleanup_receiver(rid)
+                    continue
+                if not self.adapter.is_active(rid) and rid not in self.forwarded:
+                    # Held back by the active-stream window for this step: not loaded, not run.
+                    self.origin_status[rid] = target
+                    queue.remove(request)
+                    parked.append(request)
                     continue
                 if request.status is not RequestStatus.WAITING_FOR_CHUNK:
                     if rid in self.ready or self._input_complete(rid):

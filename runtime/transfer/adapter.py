@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from runtime.connectors.base import Connector
@@ -42,6 +43,7 @@ class ChunkTransferAdapter:
         sends_chunks: bool = True,
         worker_type: WorkerType = "generation",
         name: str = "adapter",
+        active_stream_window: int = 0,
     ) -> None:
         self.connector = connector
         self.stage_id = connector.stage_id
@@ -58,7 +60,13 @@ class ChunkTransferAdapter:
             cleanup_request=self.cleanup,
             name=name,
         )
-        self.receiver = ChunkReceiver(connector, worker_type=worker_type, serials=serials, name=name)
+        self.receiver = ChunkReceiver(
+            connector,
+            worker_type=worker_type,
+            serials=serials,
+            name=name,
+            active_stream_window=active_stream_window if self._polls_upstream else 0,
+        )
         #: Notified whenever a chunk is committed or a receive failed (see the receiver's).
         self.chunk_ready = self.receiver.chunk_ready
 
@@ -132,6 +140,18 @@ class ChunkTransferAdapter:
     def is_done_receiving_chunks(self, request_id: str) -> bool:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""
         return self.receiver.is_done_receiving_chunks(request_id)
+
+    def admit(self, request_ids: Iterable[str]) -> None:
+        """Make streams active, in the order given, while the active-stream window has room."""
+        self.receiver.admit(request_ids)
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether the stage may take up ``request_id``'s stream now (always, with no window)."""
+        return self.receiver.is_active(request_id)
+
+    def may_admit(self, request_id: str) -> bool:
+        """Whether ``request_id``'s stream is active, or a slot is free for the next :meth:`admit`."""
+        return self.receiver.may_admit(request_id)
 
     def producer_moved(self) -> None:
         """The stage before this one died, and its next life writes elsewhere: every request

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -104,13 +104,25 @@ class ChunkReceiver:
     sets: iteration order must not depend on PYTHONHASHSEED.
     """
 
-    def __init__(self, connector: Connector, *, worker_type: WorkerType, serials: Iterator[int], name: str) -> None:
+    def __init__(
+        self,
+        connector: Connector,
+        *,
+        worker_type: WorkerType,
+        serials: Iterator[int],
+        name: str,
+        active_stream_window: int = 0,
+    ) -> None:
         k = current_kernel()
         self.connector = connector
         self.stage_id = connector.stage_id
         self.worker_type = worker_type
         self._serials = serials
         self._stopped = False
+        #: How many streams may be active at once (0: no limit), and those that are, in the order
+        #: they were admitted (spec §5.2 step 5, #5349).
+        self.active_stream_window = active_stream_window
+        self._active_streams: dict[str, None] = {}
 
         self._receiver_state_lock = k.lock(f"{name}.receiver_state")
         self._registered_load_entries: dict[str, LoadEntry] = {}
@@ -243,6 +255,31 @@ class ChunkReceiver:
         """True once upstream sent its terminal (not: this stage is done, #5349)."""
         return request_id in self.upstream_exhausted_requests
 
+    # == the active-stream window ================================================================
+
+    def admit(self, request_ids: Iterable[str]) -> None:
+        """Make streams active, first come first served, while the window has room. A stream
+        stays active until :meth:`cleanup_receiver` ends it — not when upstream is exhausted:
+        the stage still has to finish it (#5349)."""
+        if not self.active_stream_window:
+            return
+        for request_id in request_ids:
+            if len(self._active_streams) >= self.active_stream_window:
+                return
+            if request_id not in self._active_streams:
+                self._active_streams[request_id] = None
+                current_kernel().note(
+                    "adapter.stream.admitted", stage=self.stage_id, req=request_id, window=self.active_stream_window
+                )
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether the stage may take up ``request_id``'s stream now (always, with no window)."""
+        return not self.active_stream_window or request_id in self._active_streams
+
+    def may_admit(self, request_id: str) -> bool:
+        """Whether ``request_id``'s stream is active, or a slot is free for the next :meth:`admit`."""
+        return self.is_active(request_id) or len(self._active_streams) < self.active_stream_window
+
     # == cleanup ===============================================================================
 
     async def cleanup_receiver(self, request_id: str) -> None:
@@ -252,6 +289,7 @@ class ChunkReceiver:
         async with self._receiver_state_lock:
             k.note("adapter.unregister", stage=self.stage_id, req=request_id, why="cleanup")
             for structure in (
+                self._active_streams,
                 self._registered_load_entries,
                 self.get_req_chunk,
                 self.request_ids_mapping,
