@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from omnisim.registry import Patch, mutant
 from runtime.request import Request
-from runtime.transfer import sender
+from runtime.transfer import rules, sender
 
 
 @mutant(
@@ -23,3 +23,15 @@ def processor_sees_live_request() -> Iterator[Patch]:
         return request
 
     yield Patch(sender, "_snapshot", live)
+
+
+@mutant(
+    "segment_generation_always_advances",
+    summary="a segment end moves the expected segment generation on even for a producer that keeps none: every "
+    "later save of the session is generation 0, below it, and is dropped as late — no audio, and a hang",
+    issue="#6816 (fixed by #6834)",
+    scenarios=("streaming_segments",),
+    expect=("sender-contract", "liveness"),
+)
+def segment_generation_always_advances() -> Iterator[Patch]:
+    yield Patch(rules, "segment_generation_after_end", lambda kept, generation: generation + 1)

@@ -8,16 +8,22 @@ segment generations ran unchecked. Here each refused save carries frames of its 
 sent, Code2Wav would accept frames nobody sent (``no-corrupt-accept``); were a save the spec
 admits refused, its frames would be missing (``terminal-delivered``); and ``save_async`` must
 answer which saves it queued (``sender-contract``).
+
+A producer may also keep no segment generations at all (``generations=none``: the request's
+``segment_generation`` stays None, every save is generation 0). A segment end must then leave
+the expected generation where it is: #6816 moved it on, and every later save of the session was
+dropped as late — no audio, and a hang.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from omnisim.registry import Param, scenario
 from omnisim.world import World
 from runtime.kernel import current_kernel
 from runtime.request import RequestStatus
-from scenarios.edge import EdgeRequest, codec_frames, consume, edge_scenario, release, together
+from scenarios.edge import EdgeRequest, codec_frames, consume, edge_world, release, together
 
 
 class Save(NamedTuple):
@@ -49,30 +55,51 @@ SAVES = (
 )
 
 
+#: A producer that keeps no segment generations (#6816): everything is generation 0, so there are
+#: no late saves; a replay is still a replay.
+UNKEPT_SAVES = (
+    Save(4, 0, computed=0),
+    Save(3, 0, computed=8),
+    Save(2, 0, computed=10, segment_end=True),
+    Save(3, 0, computed=3, placeholders=2),  # 1 confirmed: a new segment's count
+    Save(2, 0, computed=2, placeholders=2, admitted=False),  # a replay: 0 confirmed, below the watermark of 1
+    Save(2, 0, computed=5, segment_end=True),
+    Save(1, 0, computed=1),  # the terminal, in a third segment
+)
+GENERATIONS = Param(
+    "generations", ("kept", "none"), "whether the producer keeps segment generations (#6816: none is kept)"
+)
+
+
 def answer(queued: bool) -> str:
     return "queued" if queued else "refused"
 
 
-@edge_scenario(
+@scenario(
     "streaming_segments",
     summary="spec §3.3: a streaming session saves across three segments, with a replayed save (below the "
     "watermark), one equal to it, a segment end, and late saves for ended segments: exactly the admitted "
-    "saves reach Code2Wav, in order, save_async answers which it queued, and nothing is left behind",
-    issue="spec §3.3 (late saves, replays, segment ends); omnisim issue 11 (a blind spot of the mutation score)",
+    "saves reach Code2Wav, in order, save_async answers which it queued, and nothing is left behind; with a "
+    "producer that keeps no segment generations too (#6816)",
+    issue="spec §3.3 (late saves, replays, segment ends), #6816; omnisim issue 11 (a blind spot of the mutation score)",
+    params=(GENERATIONS,),
+    build=lambda store_kind, _params: edge_world(store_kind),
 )
 async def streaming_segments(world: World) -> None:
     req = EdgeRequest(world, "S")
     req.sender.resumable = True
+    kept = world.params["generations"] == "kept"
+    saves = SAVES if kept else UNKEPT_SAVES
 
     async def produce() -> None:
         offset = 0
-        for i, save in enumerate(SAVES):
+        for i, save in enumerate(saves):
             if req.stream.outcome != "open":
                 break  # the request failed (a sampled fault): a scheduler saves nothing more for it
-            if i == len(SAVES) - 1:
+            if i == len(saves) - 1:
                 req.sender.resumable = False
                 req.sender.status = RequestStatus.FINISHED_STOPPED
-            if not save.late:
+            if kept and not save.late:
                 req.sender.segment_generation = save.segment_generation
             req.sender.num_computed_tokens = save.computed
             req.sender.num_output_placeholders = save.placeholders

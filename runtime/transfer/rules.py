@@ -53,6 +53,14 @@ def admit_save(
     return Admission.ACCEPT
 
 
+def segment_generation_after_end(kept: int | None, generation: int) -> int:
+    """§3.3 step 5, #6816: the segment generation a segment end expects of the id's next save —
+    the next one if the producer keeps segment generations (``kept``: the request's, None if it
+    keeps none), else the same: a producer that keeps none saves every segment at 0, and moving
+    on would drop each later save as late."""
+    return generation if kept is None else generation + 1
+
+
 def may_send(token: SenderGeneration, is_terminal: bool) -> bool:
     """§3.4 identity check and step 6 (the pre-put veto): a cancellation vetoes ordinary chunks
     but never a terminal (#6670); a failed put vetoes everything after it (#4855 R1.2)."""

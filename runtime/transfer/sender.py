@@ -220,8 +220,8 @@ class ChunkSender:
                 if is_finished:
                     token.terminal_pending = True  # the #6670 terminal fence
                 if is_segment_finished:
-                    if request.segment_generation is not None:
-                        tables.segment_generation[ext] = generation + 1
+                    after = rules.segment_generation_after_end(request.segment_generation, generation)
+                    tables.segment_generation[ext] = after
                     tables.requests_num_chunks_sent.pop(ext, None)
         if admission is rules.Admission.DRAINING:
             log.error("save_async for %s rejected: %s", ext, DRAINING_REASON)
