@@ -77,6 +77,28 @@ def liveness(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "no-register-after-terminal",
+    "a stage never registers a request for another chunk once it committed that request's terminal chunk: "
+    "upstream sends nothing more (spec §5.2: a request whose upstream is exhausted is kept, not loaded)",
+)
+def no_register_after_terminal(world: ObservedWorld) -> list[str]:
+    out = []
+    ended: dict[tuple[object, object], int] = {}  # (stage, req) -> where its terminal was committed
+    for ev in world.trace:
+        key = (ev.attrs.get("stage"), ev.attrs.get("req"))
+        if ev.name == "adapter.commit" and ev.attrs.get("finished"):
+            ended[key] = ev.index
+        elif ev.name == "adapter.register" and key in ended:
+            out.append(
+                f"stage {key[0]} registered {key[1]} for another chunk (event {ev.index}) after committing its "
+                f"terminal (event {ended[key]}): it polls for a chunk that never comes"
+            )
+        elif ev.name == "adapter.unregister" and ev.attrs.get("why") == "cleanup":
+            ended.pop(key, None)  # (the id may start again)
+    return out
+
+
+@invariant(
     "stream-window-kept",
     "a stage with an active-stream window takes up at most that many requests' chunk streams at once, first come "
     "first served, and keeps each until the request ends there (#5349: not until its upstream finished)",

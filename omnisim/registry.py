@@ -55,6 +55,7 @@ DEFAULT_INVARIANTS = (
     "answered-leaves-nothing-unread",
     "streamed-as-made",
     "failures-claimed",
+    "no-register-after-terminal",
 )
 
 

@@ -17,6 +17,7 @@ from omnisim.registry import Patch, mutant
 from runtime import supervisor
 from runtime.kernel import current_kernel
 from runtime.orchestrator import Orchestrator, RequestState
+from runtime.sched.generation import GenerationScheduler
 from runtime.supervisor import HEARTBEAT_S, Life, LocalStage
 
 
@@ -114,3 +115,15 @@ def restart_reuses_namespace() -> Iterator[Patch]:
         return getattr(self, "namespace", None) or fresh(self)
 
     yield Patch(LocalStage, "new_namespace", the_old_one)
+
+
+@mutant(
+    "registers_after_terminal",
+    summary="Code2Wav takes a request's input as complete only when it was forwarded whole: one whose upstream "
+    "sent its terminal is registered for a chunk that never comes, parked instead of finished",
+    issue="spec §5.2 step 2 (is_done_receiving_chunks: keep it, do not load); planted by an outside audit",
+    scenarios=("code2wav_stream",),
+    expect=("no-register-after-terminal",),
+)
+def registers_after_terminal() -> Iterator[Patch]:
+    yield Patch(GenerationScheduler, "_input_complete", lambda self, request_id: request_id in self.forwarded)

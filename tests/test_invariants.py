@@ -601,3 +601,18 @@ def test_stream_window_kept_sees_a_window_overrun_a_queue_jumped_and_a_slot_let_
     assert check(world_of(*added("A"), admitted("A"), admitted("A"))) == [
         "stage 1 took up A's stream again: it let it go before the request ended there"
     ]
+
+
+def test_no_register_after_terminal_sees_a_poll_for_a_chunk_that_never_comes() -> None:
+    def ev(name: str, **attrs: object) -> tuple[str, dict[str, object]]:
+        return (name, {"stage": 1, "req": "R", **attrs})
+
+    terminal = ev("adapter.commit", entry=1, chunk=3, finished=True)
+    check = INVARIANTS["no-register-after-terminal"].check
+    assert check(world_of(ev("adapter.register", entry=1), terminal)) == []
+    # An id that starts again after its cleanup registers afresh.
+    assert check(world_of(terminal, ev("adapter.unregister", why="cleanup"), ev("adapter.register", entry=2))) == []
+    assert check(world_of(terminal, ev("adapter.register", entry=2))) == [
+        "stage 1 registered R for another chunk (event 1) after committing its terminal (event 0): it polls for a "
+        "chunk that never comes"
+    ]
