@@ -77,6 +77,28 @@ def liveness(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "one-generation-per-id",
+    "the engine accepts a request id only while no earlier generation of it holds the id: a reuse waits until "
+    "the earlier one was released (two generations at once share their chunks' keys and overwrite each other)",
+)
+def one_generation_per_id(world: ObservedWorld) -> list[str]:
+    out = []
+    holding: dict[object, int] = {}  # request id -> where the generation that holds it was accepted
+    for ev in world.trace:
+        req = ev.attrs.get("req")
+        if ev.name == "orch.accepted":
+            if req in holding:
+                out.append(
+                    f"{req} was accepted (event {ev.index}) while its generation accepted at event "
+                    f"{holding[req]} still held the id"
+                )
+            holding[req] = ev.index
+        elif ev.name == "orch.released":
+            holding.pop(req, None)
+    return out
+
+
+@invariant(
     "no-register-after-terminal",
     "a stage never registers a request for another chunk once it committed that request's terminal chunk: "
     "upstream sends nothing more (spec §5.2: a request whose upstream is exhausted is kept, not loaded)",
@@ -95,6 +117,8 @@ def no_register_after_terminal(world: ObservedWorld) -> list[str]:
             )
         elif ev.name == "adapter.unregister" and ev.attrs.get("why") == "cleanup":
             ended.pop(key, None)  # (the id may start again)
+        elif ev.name == "stage.life":  # a stage process's new life starts with no receiver state
+            ended = {k: i for k, i in ended.items() if k[0] != ev.attrs["stage"]}
     return out
 
 
@@ -130,6 +154,9 @@ def stream_window_kept(world: ObservedWorld) -> list[str]:
             active.get(stage, {}).pop(req, None)
             if req in arrived.get(stage, []):
                 arrived[stage].remove(req)
+        elif ev.name == "stage.life":  # a stage process's new life starts with an empty window
+            active.pop(stage, None)
+            arrived.pop(stage, None)
     return out
 
 

@@ -56,6 +56,7 @@ DEFAULT_INVARIANTS = (
     "streamed-as-made",
     "failures-claimed",
     "no-register-after-terminal",
+    "one-generation-per-id",
 )
 
 

@@ -128,6 +128,18 @@ async def text_while_down(world: World, stage: str) -> None:
     )
 
 
+async def twins_while_down(world: World, stage: str, outcomes: frozenset[str]) -> None:
+    """Two requests with one id, submitted together while ``stage`` is down: both wait for it to
+    come back, then the one that takes the id first is served and the other waits for its release
+    (taking the id is one step with the check that the stages are up: nothing awaits between)."""
+    if engine_of(world).stages[STAGE_IDS[stage]].health()["alive"]:
+        return  # (back already, or never noticed dead: nothing to show)
+    twins = [Client(world, f"D{i}", SHORT, "D", modalities=("audio",)) for i in (1, 2)]
+    for twin in twins:
+        twin.outcomes = outcomes
+    await together(*((twin.name, twin.run) for twin in twins))
+
+
 def stage_kills() -> list[TraceEvent]:
     """The run's SIGKILLs of a stage process, so far."""
     return [e for e in current_trace() if e.name == "process.killed" and str(e.attrs["process"]).startswith("stage")]
@@ -203,7 +215,10 @@ async def stage_crash(world: World) -> None:
         else:
             await victim.run()
         if stage != "thinker":
-            await text_while_down(world, stage)
+            await together(
+                ("T.meanwhile", lambda: text_while_down(world, stage)),
+                ("D", lambda: twins_while_down(world, stage, again.outcomes)),
+            )
         if phase == "after_a_stable_life":
             await current_kernel().sleep(STABLE_LIFE_S)
         await again.run()  # the same id once V ended: served by whatever lives now
