@@ -269,16 +269,7 @@ class Orchestrator:
             raise ValueError("word_timestamps needs an engine built with a forced aligner")
         final = self.config.final_stage_id(outputs)
         await k.point("orch.submit", req=request_id)
-        # Wait until the id is free (the old generation's sweep ran) and every stage it needs is
-        # up (one coming back after its process died is waited for, not failed at) — both at
-        # once: nothing awaits between this check and taking the id.
-        while True:
-            if self._stopping:
-                raise EngineStopped(f"request {request_id!r} was submitted after the engine began to shut down")
-            await self.wait_ready(RESTART_WAIT_S, stages=range(final + 1))
-            if request_id not in self.requests:
-                break
-            await self._released.wait(IDLE_WAIT_S, ready=lambda: request_id not in self.requests or self._stopping)
+        await self._wait_until_free_and_up(request_id, range(final + 1))
         state = RequestState(
             request_id=request_id,
             text=text,
@@ -297,6 +288,18 @@ class Orchestrator:
                     self._submit_stage(state, sid, None)
         self._maybe_complete(state)  # only if a stage was found down or refused the request
         return state.stream
+
+    async def _wait_until_free_and_up(self, request_id: str, stages: range) -> None:
+        """Wait until ``request_id`` is free (its old generation's sweep ran) and every one of
+        ``stages`` is up (one coming back after its process died is waited for, not failed at) —
+        both at once: the caller takes the id with nothing awaited after this returns."""
+        while True:
+            if self._stopping:
+                raise EngineStopped(f"request {request_id!r} was submitted after the engine began to shut down")
+            await self.wait_ready(RESTART_WAIT_S, stages=stages)
+            if request_id not in self.requests:
+                return
+            await self._released.wait(IDLE_WAIT_S, ready=lambda: request_id not in self.requests or self._stopping)
 
     def _submit_stage(self, state: RequestState, stage_id: int, payload: dict[str, Any] | None) -> None:
         """Add the request to one stage: with its whole input, or as a placeholder (``None``)."""

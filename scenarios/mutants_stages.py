@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from omnisim.registry import Patch, mutant
 from runtime import supervisor
 from runtime.kernel import current_kernel
-from runtime.orchestrator import Orchestrator, RequestState
+from runtime.orchestrator import RESTART_WAIT_S, Orchestrator, RequestState
+from runtime.sched.base import IDLE_WAIT_S
 from runtime.sched.generation import GenerationScheduler
 from runtime.supervisor import HEARTBEAT_S, Life, LocalStage
 
@@ -127,3 +128,21 @@ def restart_reuses_namespace() -> Iterator[Patch]:
 )
 def registers_after_terminal() -> Iterator[Patch]:
     yield Patch(GenerationScheduler, "_input_complete", lambda self, request_id: request_id in self.forwarded)
+
+
+@mutant(
+    "id_taken_before_stages_up",
+    summary="submit checks that the id is free, then waits for the stages it needs, and takes the id without "
+    "looking again: two submits of one id while a stage restarts both take it, and overwrite each other",
+    issue="omnisim issue 11 (planted by an outside audit, missed until a scenario submitted one id twice while a "
+    "stage was down)",
+    scenarios=("stage_crash",),
+    expect=("one-generation-per-id",),
+)
+def id_taken_before_stages_up() -> Iterator[Patch]:
+    async def free_then_up(self: Orchestrator, request_id: str, stages: range) -> None:
+        while request_id in self.requests:
+            await self._released.wait(IDLE_WAIT_S, ready=lambda: request_id not in self.requests)
+        await self.wait_ready(RESTART_WAIT_S, stages=stages)
+
+    yield Patch(Orchestrator, "_wait_until_free_and_up", free_then_up)

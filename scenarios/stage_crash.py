@@ -12,6 +12,8 @@ phase                  where the stage dies
 ``mid_stream``         in the middle of V's stream (a put half written; a chunk taken
                        from the segment but not yet handed on)
 ``terminal_queued``    right after it queued V's terminal chunk, before sending it
+``terminal_unsent``    as its save task takes V's terminal up: the Thinker may have told the
+                       orchestrator it finished V, and its Talker never gets the terminal
 ``during_release``     in the middle of V's release sweep, after V finished
 ``during_abort``       while it reclaims V's chunks for the client's abort
 ``paused``             stopped (SIGSTOP) half-way through a put for longer than the
@@ -56,6 +58,9 @@ CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ("code2wav", "mid_stream"): ("crash_stage", "shm.get.consumed", {"key": "V_1_1"}),
     ("thinker", "terminal_queued"): ("crash_stage", "adapter.save_async", {"req": "V#0", "finished": "True"}),
     ("talker", "terminal_queued"): ("crash_stage", "adapter.save_async", {"req": "V#1", "finished": "True"}),
+    # Later: the Thinker's save task takes V's terminal up (the Thinker finished first, so this is
+    # its terminal) — by then the orchestrator may have heard that the Thinker finished V.
+    ("thinker", "terminal_unsent"): ("crash_stage", "adapter.send.begin", {"ext": "V", "finished": "True"}),
     ("thinker", "during_release"): ("crash_stage", "adapter.release.begin", {"ext": "V", "stage": "0"}),
     ("talker", "during_release"): ("crash_stage", "adapter.release.begin", {"ext": "V", "stage": "1"}),
     ("thinker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "0"}),

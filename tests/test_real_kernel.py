@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 import trio
 
 from runtime import real_kernel
+from runtime.control import Channel
+from runtime.kernel import current_kernel
 from runtime.real_kernel import OFFLOAD_BYTES, RealKernel
 
 
@@ -52,3 +55,18 @@ async def test_a_worker_thread_never_holds_what_its_computation_made(worker_answ
     with pytest.raises(Boom, match="from the worker"):
         await kernel.compute(fails)
     assert worker_answers == [None, None, None]
+
+
+async def test_a_control_message_larger_than_one_read_arrives_whole() -> None:
+    """A stage's output may be megabytes (a long CUMULATIVE audio): the channel reads until the
+    frame is complete, never once per part (found by an outside audit's planted bug)."""
+    kernel = current_kernel()
+    head_end, stage_end = socket.socketpair()
+    head, stage = Channel(kernel.stream(head_end), "head"), Channel(kernel.stream(stage_end), "stage")
+    message = {"ev": "output", "data": torch.arange(1 << 20, dtype=torch.float32)}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stage.send, message)
+        got = await head.receive()
+    assert got["ev"] == "output" and torch.equal(got["data"], message["data"])
+    await head.aclose()
+    await stage.aclose()
