@@ -156,13 +156,17 @@ async def next_chunk(req: EdgeRequest, *, input_deadline_s: float | None = None)
     if req.stream.outcome != "open":
         return False
     merge = MergeWatch(req)
-    await adapter.load_async(req.receiver)
+    rid = req.receiver.request_id
+    # As a scheduler does (spec §5.2 step 2): a chunk already committed (someone else registered
+    # the request meanwhile) is taken as it is, and nothing is loaded once upstream is done.
+    if not adapter.has_ready_chunks(rid) and not adapter.is_done_receiving_chunks(rid):
+        await adapter.load_async(req.receiver)
     waiting_since = k.now()
     while req.stream.outcome == "open":
-        if adapter.pop_ready(req.receiver.request_id):
+        if adapter.pop_ready(rid):
             merge.check()
             break
-        await wait_for_chunk(adapter, req.receiver.request_id)
+        await wait_for_chunk(adapter, rid)
         await check_failures(req.world)
         if input_deadline_s is not None and k.now() - waiting_since > input_deadline_s:
             await fail(req, f"no chunk for {input_deadline_s}s")

@@ -62,13 +62,13 @@ def failing_copy(model: _Model, failure: Failure, prompt_rows: int) -> _Model:
     calls = 0
     real = getattr(model, failure.method)
 
-    def method(arg: Any) -> Any:
+    def method(arg: Any, *more: Any) -> Any:
         nonlocal calls
         if failure.rows_of is None or failure.rows_of(arg) == prompt_rows:
             calls += 1
             if calls == failure.at:
                 raise RuntimeError(MODEL_ERROR)
-        return real(arg)
+        return real(arg, *more)
 
     failing = copy.copy(model)
     setattr(failing, failure.method, method)
