@@ -656,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples(
             'omnisim pipeline run --text "hello world"',
             'omnisim pipeline run --text "hello world" --word-timestamps --out runs/hello.wav',
+            'omnisim pipeline run --text "a long answer, cut short" --max-tokens 4',
         ),
     )
     sp.add_argument("--text", required=True, help="what to say (1 to 20000 characters, not only spaces)")
@@ -664,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=os.path.join(RUNS_DIR, "out.wav"), help="the 24 kHz WAV to write (default: %(default)s)"
     )
     sp.add_argument("--word-timestamps", action="store_true", help="also align every word (needs audio)")
+    sp.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        metavar="N",
+        help="the most tokens the answer may have, as vLLM's max_tokens (default: as many as it takes)",
+    )
     _add_engine_options(sp)
     _add_json(sp)
     sp.set_defaults(func=cmd_pipeline, needs_registry=False, plugin=[])

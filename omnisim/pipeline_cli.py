@@ -160,6 +160,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 modalities=modalities,
                 word_timestamps=args.word_timestamps,
                 request_id=request_id,
+                max_tokens=args.max_tokens,
                 on_output=lambda kind, data: progress.update(kind, data, SAMPLE_RATE),
             )
         )
@@ -170,6 +171,8 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         raise CommandFailed(f"request {request_id} failed: {result.error}")
     if "text" in modalities:
         print(result.text)
+    if result.text_finish is not None and result.text_finish.reason == "length":
+        print(f"(cut short at --max-tokens {args.max_tokens})")
     where = "as processes" if args.processes or config.deploy.processes else "in process"
     print(f"stages ready in {result.startup_s:.2f} s ({where})")
     payload: dict[str, Any] = {
@@ -181,6 +184,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "total_s": result.total_s,
         "model_s": result.model_s,
         "startup_s": result.startup_s,
+        "finish_reason": result.text_finish.reason if result.text_finish else None,
         **config.settings(),
         "residue": result.residue,
         "swept": leftovers,

@@ -23,7 +23,7 @@ from runtime.models.aligner import WordTimestamp
 from runtime.orchestrator import Orchestrator
 from runtime.process_stage import ProcessStage, StageLaunch
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S
-from runtime.stages import ComputeMeter, Models, StageHandle, StageTransport, build_stages, check_shape
+from runtime.stages import ComputeMeter, Models, StageHandle, StageTransport, TextFinish, build_stages, check_shape
 
 __all__ = ["Models", "PipelineResult", "build_engine", "run_request"]
 
@@ -77,6 +77,8 @@ class PipelineResult:
     startup_s: float = 0.0
     error: str | None = None
     residue: dict[str, list[str]] = field(default_factory=dict)
+    #: How the text ended (``"length"``: cut short by ``max_tokens``), and its token counts.
+    text_finish: TextFinish | None = None
 
 
 async def run_request(
@@ -88,6 +90,7 @@ async def run_request(
     word_timestamps: bool = False,
     request_id: str | None = None,
     on_output: Callable[[str, Any], None] | None = None,
+    max_tokens: int | None = None,
 ) -> PipelineResult:
     """Start ``engine`` (whose stages use ``store``), stream one request through it, wait for its
     release sweep, report what is left anywhere (store and every table), and stop the engine.
@@ -98,12 +101,16 @@ async def run_request(
     stamps: list[WordTimestamp] = []
     first_audio: float | None = None
     error: str | None = None
+    finish: TextFinish | None = None
     async with k.task_group() as tasks:
         launched = k.now()
         tasks.start_soon(engine.run, name="engine")
         await engine.wait_ready()
         start = k.now()
-        async for out in generate(engine, text, modalities, word_timestamps=word_timestamps, request_id=request_id):
+        answer = generate(
+            engine, text, modalities, word_timestamps=word_timestamps, request_id=request_id, max_tokens=max_tokens
+        )
+        async for out in answer:
             if on_output is not None:
                 on_output(out.kind.value, out.data)
             if out.kind is OutputType.TEXT and out.data is not None:
@@ -114,7 +121,7 @@ async def run_request(
             elif out.kind is OutputType.TIMESTAMPS and out.data is not None:
                 stamps = out.data
             if out.finished:
-                error = out.error
+                error, finish = out.error, out.text_finish
         total = k.now() - start
         await engine.drain()  # the release sweep runs after the terminal
         residue = {
@@ -134,4 +141,5 @@ async def run_request(
         startup_s=start - launched,
         error=error,
         residue={name: items for name, items in residue.items() if items},
+        text_finish=finish,
     )

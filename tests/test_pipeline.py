@@ -5,6 +5,7 @@ covers it, aborts and errors end the client's stream with one terminal, nothing 
 from __future__ import annotations
 
 import dataclasses
+import json
 import wave
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -313,6 +314,15 @@ def test_cli_writes_a_playable_wav(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "residue: none" in printed and "hello" in printed
     with wave.open(str(out)) as w:
         assert w.getframerate() == SAMPLE_RATE and w.getnchannels() == 1 and w.getnframes() > 0
+
+
+def test_cli_max_tokens_cuts_the_answer_short_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["pipeline", "run", "--text", "a long answer, cut short", "--max-tokens", "4", "--json"]
+    assert main([*args, "--out", str(tmp_path / "out.wav")]) == 0
+    printed = capsys.readouterr().out
+    payload = json.loads(printed.strip().splitlines()[-1])
+    assert payload["text"] == "a long a" and payload["finish_reason"] == "length"
+    assert "(cut short at --max-tokens 4)" in printed
 
 
 def test_shutdown_ends_requests_in_flight_with_an_error_terminal() -> None:
