@@ -79,13 +79,23 @@ def decode_output(message: dict[str, Any]) -> StageOutput:
     data: Any = None
     if isinstance(body, dict):
         if "thinker" in body:
-            finish = body["finish"]
-            data = ThinkerDelta(body["thinker"], body["full_payload"], None if finish is None else TextFinish(*finish))
+            data = ThinkerDelta(body["thinker"], body["full_payload"], _text_finish(body["finish"]))
         elif "talker" in body:
             data = TalkerFrame(body["talker"], body["full_payload"])
         else:
             data = body["audio"]
     return StageOutput(request_id, data, bool(message["finished"]), error)
+
+
+def _text_finish(value: Any) -> TextFinish | None:
+    """A Thinker output's ``[reason, prompt tokens, completion tokens]``, or None."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)) or any(
+        type(n) is not int for n in value[1:]
+    ):
+        raise TypeError("a Thinker output's finish must be [reason, prompt tokens, completion tokens]")
+    return TextFinish(*value)
 
 
 class StageServer:

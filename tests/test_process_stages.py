@@ -70,6 +70,14 @@ def test_a_thinker_output_crosses_the_control_plane_whole(finish: TextFinish | N
     assert decode_output(decode(encode(encode_output(out)))) == out
 
 
+@pytest.mark.parametrize("finish", [["length", "3", 5], ["length", 3], 7, ["length", 3, True]])
+def test_a_thinker_output_with_a_malformed_finish_is_refused(finish: object) -> None:
+    message = encode_output(StageOutput("R#0", ThinkerDelta("hi"), finished=True))
+    message["data"]["finish"] = finish
+    with pytest.raises(TypeError, match="finish must be"):
+        decode_output(message)
+
+
 def test_stage_processes_run_the_config_file_the_head_read(tmp_path: Path) -> None:
     """Not a shipped pipeline of the same name: a file's own pipeline (one no shipped config
     is named after), which each stage process rebuilds from what the head parsed."""
