@@ -79,6 +79,23 @@ async def collect(engine: Orchestrator, text: str, **kw: object) -> list[ClientO
     return [out async for out in generate(engine, text, **kw)]  # type: ignore[arg-type]
 
 
+def answered_together(
+    texts: dict[str, str], pipeline: PipelineConfig | None = None
+) -> tuple[dict[str, list[str]], dict[str, list[ClientOutput]]]:
+    """Every text submitted at once, with its key as request id: the residue, and each answer."""
+    answers: dict[str, list[ClientOutput]] = {}
+
+    async def body(engine: Orchestrator) -> None:
+        async def one(rid: str) -> None:
+            answers[rid] = await collect(engine, texts[rid], request_id=rid)
+
+        async with trio.open_nursery() as clients:
+            for rid in texts:
+                clients.start_soon(one, rid)
+
+    return with_engine(body, pipeline=pipeline), answers
+
+
 def audio_of(outputs: list[ClientOutput]) -> torch.Tensor:
     pieces = [o.data.reshape(-1) for o in outputs if o.kind is OutputType.AUDIO and o.data is not None]
     return torch.cat(pieces) if pieces else torch.empty(0)
@@ -140,17 +157,8 @@ def test_an_active_stream_window_takes_streams_up_in_turn_and_answers_each_in_fu
     stages = tuple(dataclasses.replace(s, active_stream_window=window) for s in OMNI.deploy.stages)
     windowed = dataclasses.replace(OMNI, deploy=dataclasses.replace(OMNI.deploy, stages=stages))
     texts = {f"R{i}": f"answer number {i} of four, said in turn" for i in range(4)}
-    outputs: dict[str, list[ClientOutput]] = {}
-
-    async def body(engine: Orchestrator) -> None:
-        async def one(rid: str) -> None:
-            outputs[rid] = await collect(engine, texts[rid], request_id=rid)
-
-        async with trio.open_nursery() as clients:
-            for rid in texts:
-                clients.start_soon(one, rid)
-
-    assert with_engine(body, pipeline=windowed) == {}
+    residue, outputs = answered_together(texts, pipeline=windowed)
+    assert residue == {}
     for rid, text in texts.items():
         assert outputs[rid][-1].finished and outputs[rid][-1].error is None
         assert torch.allclose(audio_of(outputs[rid]), offline_audio(text), atol=1e-5)
@@ -179,17 +187,8 @@ def test_a_request_that_ends_inside_the_initial_chunk(text: str) -> None:
 
 def test_concurrent_requests_each_get_their_own_answer() -> None:
     texts = {"a": "the first request is fairly long, several words", "b": "short one", "c": "third of three"}
-    got: dict[str, list[ClientOutput]] = {}
-
-    async def body(engine: Orchestrator) -> None:
-        async def one(rid: str) -> None:
-            got[rid] = await collect(engine, texts[rid], request_id=rid)
-
-        async with trio.open_nursery() as nursery:
-            for rid in texts:
-                nursery.start_soon(one, rid)
-
-    assert with_engine(body) == {}
+    residue, got = answered_together(texts)
+    assert residue == {}
     for rid, text in texts.items():
         assert text_of(got[rid]) == ToyTokenizer.normalize(text)
         assert torch.allclose(audio_of(got[rid]), offline_audio(text), atol=1e-5)
