@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from omnisim.registry import Patch, mutant
-from runtime.kernel import current_kernel
+from runtime.transfer import rules
 from runtime.transfer.receiver import ChunkReceiver
 
 WINDOW = ("active_stream_window",)
@@ -55,21 +55,10 @@ def stream_slot_never_freed() -> Iterator[Patch]:
 
 @mutant(
     "window_admits_one_too_many",
-    summary="the window's room check is off by one (> for >=): a stage takes up one stream more than its window",
+    summary="the window's room check is off by one (<= for <): a stage takes up one stream more than its window",
     issue="#5349 (spec §5.2 step 5: up to K streams)",
     scenarios=WINDOW,
     expect=("stream-window-kept",),
 )
 def window_admits_one_too_many() -> Iterator[Patch]:
-    def admit_past_the_window(self: ChunkReceiver, request_ids: Iterable[str]) -> None:
-        if not self.active_stream_window:
-            return
-        for request_id in request_ids:
-            if len(self._active_streams) > self.active_stream_window:
-                return
-            if request_id not in self._active_streams:
-                self._active_streams[request_id] = None
-                window = self.active_stream_window
-                current_kernel().note("adapter.stream.admitted", stage=self.stage_id, req=request_id, window=window)
-
-    yield Patch(ChunkReceiver, "admit", admit_past_the_window)
+    yield Patch(rules, "stream_window_has_room", lambda active, window: active <= window)

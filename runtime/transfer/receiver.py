@@ -264,7 +264,7 @@ class ChunkReceiver:
         if not self.active_stream_window:
             return
         for request_id in request_ids:
-            if len(self._active_streams) >= self.active_stream_window:
+            if not rules.stream_window_has_room(len(self._active_streams), self.active_stream_window):
                 return
             if request_id not in self._active_streams:
                 self._active_streams[request_id] = None
@@ -278,7 +278,9 @@ class ChunkReceiver:
 
     def may_admit(self, request_id: str) -> bool:
         """Whether ``request_id``'s stream is active, or a slot is free for the next :meth:`admit`."""
-        return self.is_active(request_id) or len(self._active_streams) < self.active_stream_window
+        return self.is_active(request_id) or rules.stream_window_has_room(
+            len(self._active_streams), self.active_stream_window
+        )
 
     # == cleanup ===============================================================================
 

@@ -89,6 +89,11 @@ def needs_reclaim(token: SenderGeneration) -> bool:
 # == receiver ==================================================================================
 
 
+def stream_window_has_room(active: int, window: int) -> bool:
+    """§5.2 step 5: one more stream may be taken up while fewer than ``window`` are active."""
+    return active < window
+
+
 def entry_is_current(registered: Mapping[str, LoadEntry], entry: LoadEntry) -> bool:
     """§3.7: identity, not membership — a re-registered id has a new entry, and a poll of the old
     one must neither consume nor commit what belongs to the new."""
