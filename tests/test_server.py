@@ -50,6 +50,13 @@ class Running:
         return self.proc.wait(30)
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """A job a non-interactive shell started in the background ignores SIGINT, and a child inherits
+    that: the server these tests stop with SIGINT gets it as a terminal's Ctrl-C delivers it,
+    however pytest itself was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_server(*extra: str) -> Running:
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnisim.cli", "serve", "--port", "0", *extra],
@@ -57,6 +64,7 @@ def start_server(*extra: str) -> Running:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_sigint_as_at_a_terminal,
     )
     assert proc.stdout is not None
     banner = proc.stdout.readline()
