@@ -129,6 +129,11 @@ POINTS: dict[str, tuple[str, str]] = {
     "process.paused": ("note", "a simulated process was SIGSTOPped; it continues later [process, for_us]"),
     "world.owner_claimed": ("note", "a live process claimed a namespace (it now owns it) [ns]"),
     "process.killed": ("note", "a simulated process was SIGKILLed: its tasks stop for good [process]"),
+    "process.started": ("note", "a task started a child process, a program of the world (start_process) [process]"),
+    "process.exited": (
+        "note",
+        "a child process ended by itself: its main returned (code 0) or raised (1) [process, code]",
+    ),
     "probe.failed": ("note", "a scenario saw an invariant fail by its own check [invariant, message]"),
     "stream.held": (
         "note",

@@ -37,6 +37,7 @@ import trio
 
 from invariants.observed import TaskState, TraceEvent
 from omnisim.base import stop_requested
+from omnisim.sim_spawn import Program, SimChild, connection, program_name
 from omnisim.strategies.base import Strategy
 from runtime.kernel import Attr, KProcess, KStream, current_kernel, use_kernel
 
@@ -341,6 +342,11 @@ class SimKernel:
         self._yielded: list[SimTask] = []
         #: Virtual seconds one model computation takes (0: computing takes no time).
         self.compute_cost_s = 0.0
+        #: What :meth:`start_process` can start, by module (see :mod:`omnisim.sim_spawn`).
+        self.programs: dict[str, Program] = {}
+        #: The children it started, by process name.
+        self._children: dict[str, SimChild] = {}
+        self._nursery: trio.Nursery | None = None
 
     # == running a world =========================================================================
 
@@ -354,6 +360,7 @@ class SimKernel:
         with use_kernel(self), trio.CancelScope() as scope:
             self._root_scope = scope
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 task = self._register(main, name, None)
                 nursery.start_soon(self._run_task, task, name=name)
                 self._switch_to(task)
@@ -411,6 +418,9 @@ class SimKernel:
         caller may be one of them (it then never returns from its next kernel call)."""
         self._emit(self._me(), "process.killed", {"process": process})
         self.dead_processes.add(process)
+        child = self._children.get(process)
+        if child is not None:
+            child.ended(-9)  # (what waitpid reports for SIGKILL)
         for task in [t for t in self.tasks if t.process == process]:
             self._emit(task, "kernel.killed", {"process": process})
             task.state = KILLED
@@ -718,10 +728,39 @@ class SimKernel:
         return me.notified
 
     def stream(self, sock: object) -> KStream:
-        raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")
+        raise NotImplementedError("a simulated process gets its control connection from start_process, not a socket")
 
-    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> KProcess:
-        raise NotImplementedError("a simulated world runs its stage processes as task groups, not OS processes")
+    def wait_gone(self, process: KProcess, timeout: float) -> bool:
+        return process.returncode is not None  # (a simulated SIGKILL takes effect at once)
+
+    async def start_process(self, argv: list[str]) -> tuple[KProcess, KStream]:
+        """Run the world's program for ``argv`` as a new simulated process (see
+        :mod:`omnisim.sim_spawn`); it exits when its main returns (code 0, or 1 if it raised)."""
+        module = program_name(argv)
+        program = self.programs.get(module)
+        if program is None:
+            raise FileNotFoundError(f"no program {module!r} in this simulated world")
+        spawned = program(argv)
+        ours, theirs = connection(self, f"{spawned.process}.control")
+        child = self._children[spawned.process] = SimChild(self, spawned, theirs)
+        self._emit(self._me(), "process.started", {"process": spawned.process})
+
+        async def run() -> None:
+            code = 1
+            try:
+                await spawned.main(theirs)
+                code = 0
+            finally:
+                if not self._stopping and spawned.process not in self.dead_processes:
+                    self._emit(self._me(), "process.exited", {"process": spawned.process, "code": code})
+                    spawned.exited()
+                    child.ended(code)
+
+        with self.as_process(spawned.process):
+            task = self._register(run, spawned.process, None)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_task, task, name=spawned.process)
+        return child, ours
 
 
 def current_task_name() -> str:

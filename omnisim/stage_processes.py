@@ -1,28 +1,32 @@
 """An engine whose stages are simulated processes: the simulator's model of ``processes: true``.
 
-Each stage is a :class:`~runtime.supervisor.LocalStage`, supervised exactly as a
-:class:`~runtime.process_stage.ProcessStage` is (heartbeat, death, burial, sweep, restart in a new
-namespace, the next stage re-pointed), and each of its lives is a process of the world: its own
-tasks, a namespace it claims, its own handles on the stores it reads and writes (what it holds
-there goes when it dies). The orchestrator and the supervisors run in the world's own process,
-as they run in the head process of a real deployment.
+The head's side is production's own: each stage is a :class:`~runtime.process_stage.ProcessStage`
+that starts its lives with ``start_process``, supervises them (heartbeats, death, burial, sweep,
+restart in a new namespace, the next stage re-pointed) and talks to them over the control plane
+(:mod:`runtime.control`). The simulated kernel runs ``python -m runtime.stage_process`` as a
+process of the world (see :mod:`omnisim.sim_spawn`): production's
+:class:`~runtime.stage_process.StageServer` serving a stage built as a stage process builds its
+own — its model, a namespace it claims, its own handles on the stores it reads and writes (what it
+holds there goes when it dies) — on the world's stores instead of /dev/shm's.
 """
 
 from __future__ import annotations
 
 import itertools
-from contextlib import AbstractContextManager
+import json
 
 from omnisim.sim_kernel import SimKernel
+from omnisim.sim_spawn import Spawned
 from omnisim.world import World
 from runtime.config.pipeline import PipelineConfig
-from runtime.config.topology import StageSpec
 from runtime.connectors.shm import ShmConnector
-from runtime.kernel import current_kernel
+from runtime.control import Channel
+from runtime.kernel import KStream, current_kernel
 from runtime.orchestrator import Orchestrator
+from runtime.process_stage import ProcessStage, StageLaunch
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S
+from runtime.stage_process import StageServer
 from runtime.stages import ComputeMeter, Models, StageHandle, build_stage, check_shape
-from runtime.supervisor import Life, LocalStage
 
 
 def build_process_engine(
@@ -35,44 +39,75 @@ def build_process_engine(
     """The engine of ``config`` with every stage a simulated process of ``world`` (restart
     policy: the deploy file's)."""
     check_shape(config)
+    kernel = current_kernel()
+    assert isinstance(kernel, SimKernel)
+    kernel.programs["runtime.stage_process"] = _StageProgram(world, config, models).start
     handles: dict[int, StageHandle] = {}
     engine = Orchestrator(config, handles, aligner=models.aligner)
-    upstream: LocalStage | None = None
+    launch = StageLaunch(
+        pipeline=None,  # (the program builds from the world's config: see _StageProgram)
+        source="<simulated>",
+        async_chunk=config.deploy.async_chunk,
+        wake_namespace="",
+        input_wait_timeout_s=input_wait_timeout_s,
+        restart=config.deploy.restart,
+    )
+    upstream: ProcessStage | None = None
     for spec in config.stages:
-        lives = _Lives(world, config, models, spec, input_wait_timeout_s)
-        upstream = LocalStage(
+        upstream = ProcessStage(
             spec,
-            lives.make,
-            world.new_namespace,
-            world.sweep_namespace,
-            restart=config.deploy.restart,
+            launch,
             upstream=upstream,
             on_death=engine.stage_died,
+            new_namespace=world.new_namespace,
+            sweep=world.sweep_namespace,
         )
         handles[spec.stage_id] = upstream
     return engine
 
 
-class _Lives:
-    """Makes each life of one stage, a process each: ``stage0.thinker.0``, then
-    ``stage0.thinker.1`` after a restart, …"""
+class _StageProgram:
+    """``python -m runtime.stage_process '<description>'`` in ``world``: each start is a process
+    of its own, ``stage0.thinker.0``, then ``stage0.thinker.1`` after a restart, …"""
 
-    def __init__(
-        self, world: World, config: PipelineConfig, models: Models, spec: StageSpec, input_wait_timeout_s: float
-    ) -> None:
+    def __init__(self, world: World, config: PipelineConfig, models: Models) -> None:
         self.world = world
         self.config = config
         self.models = models
-        self.spec = spec
-        self.input_wait_timeout_s = input_wait_timeout_s
-        self._serial = itertools.count()
+        self._serials: dict[int, itertools.count[int]] = {}
 
-    def make(self, namespace: str, upstream: str | None) -> Life:
+    def start(self, argv: list[str]) -> Spawned:
         world = self.world
-        process = f"stage{self.spec.stage_id}.{self.spec.name}.{next(self._serial)}"
-        world.spawn(process)
+        description = json.loads(argv[3])
+        spec = self.config.stage(description["stage_id"])
+        serial = next(self._serials.setdefault(spec.stage_id, itertools.count()))
+        process = f"stage{spec.stage_id}.{spec.name}.{serial}"
+        owner = world.spawn(process)
+
+        async def main(control: KStream) -> None:
+            namespace = description["namespace"]
+            try:
+                await self._serve(process, description, control)
+            finally:
+                # As a stage process does on its way out, however it leaves — unless it was
+                # killed: a task of a killed process is only unwound, and does nothing more.
+                if world.alive(process):
+                    world.sweep_own(namespace)
+
+        def kill() -> None:
+            if world.alive(process):
+                world.crash(process)
+
+        return Spawned(process, owner.pid, main, kill, lambda: world.exit(process))
+
+    async def _serve(self, process: str, description: dict[str, object], control: KStream) -> None:
+        """What :func:`runtime.stage_process.serve` does, on the world's stores."""
+        world = self.world
+        spec = self.config.stage(int(str(description["stage_id"])))
+        namespace = str(description["namespace"])
+        upstream = description["upstream"]
+        producer = [str(upstream) if upstream is not None else None]
         store = world.handle(process, world.claim(namespace, process))
-        producer = [upstream]
 
         def producer_alive() -> bool:
             """As a stage process judges: a producer that has not claimed its namespace yet is
@@ -82,40 +117,26 @@ class _Lives:
 
         connector = ShmConnector(
             store,
-            stage_id=self.spec.stage_id,
+            stage_id=spec.stage_id,
             wakeups=world.wakeups_of(process),
             **world.transport(),
-            upstream=world.handle(process, world.store_of(upstream)) if upstream is not None else None,
-            upstream_alive=producer_alive if upstream is not None else None,
+            upstream=world.handle(process, world.store_of(producer[0])) if producer[0] is not None else None,
+            upstream_alive=producer_alive if producer[0] is not None else None,
         )
+        meter = ComputeMeter()
         stage = build_stage(
             self.config,
-            self.spec,
-            getattr(self.models, self.spec.model),
+            spec,
+            getattr(self.models, spec.model),
             connector,
-            ComputeMeter(),
-            input_wait_timeout_s=self.input_wait_timeout_s,
+            meter,
+            input_wait_timeout_s=float(str(description["input_wait_timeout_s"])),
         )
 
-        def point_upstream(namespace: str) -> None:
-            producer[0] = namespace
-            connector.upstream = world.handle(process, world.store_of(namespace))
+        def point_upstream(moved_to: str) -> None:
+            producer[0] = moved_to
+            connector.upstream = world.handle(process, world.store_of(moved_to))
             stage.adapter.producer_moved()
 
-        def kill() -> None:
-            if world.alive(process):
-                world.crash(process)
-
-        return Life(
-            stage,
-            process=lambda: _as_process(process),
-            kill=kill,
-            exited=lambda: not world.alive(process),
-            point_upstream=point_upstream,
-        )
-
-
-def _as_process(process: str) -> AbstractContextManager[None]:
-    kernel = current_kernel()
-    assert isinstance(kernel, SimKernel)
-    return kernel.as_process(process)
+        channel = Channel(control, f"stage{spec.stage_id}")
+        await StageServer(stage, namespace, channel, meter, point_upstream).serve()

@@ -305,7 +305,9 @@ class World:
         """Every POSIX namespace of the run records this process as its owner (the simulated
         processes are threads of it): an operator's sweep judges a namespace by its record."""
         posix = [
-            (namespace, store) for namespace, (store, _) in self.namespaces.items() if isinstance(store, PosixStore)
+            (namespace, store)
+            for namespace, (store, _) in self.namespaces.items()
+            if isinstance(store, PosixStore) and namespace not in self.owner_records_removed  # (swept)
         ]
         me = devshm.this_process() if posix else None
         for namespace, store in posix:
@@ -313,7 +315,9 @@ class World:
             self.probe(
                 "no-residue-after-sweep",
                 recorded == me,
-                f"the owner record of namespace {namespace} reads {recorded}, not the process that made it, {me}",
+                # (no pid in the message: the same run must say the same in every process)
+                f"the owner record of namespace {namespace} reads {'another process' if recorded else 'nothing'}, "
+                "not the process that made it",
             )
 
     def _check_wakeups_available(self) -> None:
@@ -448,21 +452,38 @@ class World:
     def crash(self, process: str) -> None:
         """SIGKILL ``process``: its tasks stop for good, the locks it held are released, what it
         wrote stays; its memory (adapter, connector state) is gone from the snapshots."""
-        if process == MAIN_PROCESS or process not in self.handles:
+        if process == MAIN_PROCESS or process not in self.owners:
             raise Misuse(f"cannot crash process {process!r}: only a stage with its own process can die")
         kernel = current_kernel()
         assert isinstance(kernel, SimKernel)
-        self.processes.kill(self.owners[process])
-        for handle in self.handles[process]:
-            handle.die()
+        self._gone(process)
         bus = self._buses.pop(process, None)
         if bus is not None:
             self._dead_fifos |= devshm.lose_descriptors(bus)
         self.deaths[process] = kernel.now()
+        kernel.kill_process(process)
+
+    def sweep_own(self, namespace: str) -> None:
+        """What a stage process does on its way out: it sweeps its own namespace, its owner record
+        last (see :func:`runtime.stage_process.serve`)."""
+        self.store_of(namespace).sweep()
+        self.owner_records_removed.add(namespace)
+
+    def exit(self, process: str) -> None:
+        """``process`` ended by itself (its stage shut down as asked): it is no longer alive, and
+        what it held open is closed, as the kernel closes an exiting process's descriptors."""
+        self._gone(process)
+        bus = self._buses.pop(process, None)
+        if bus is not None:
+            devshm.lose_descriptors(bus)  # (a FIFO its stage did not remove is left, and is residue)
+
+    def _gone(self, process: str) -> None:
+        self.processes.kill(self.owners[process])
+        for handle in self.handles.get(process, []):
+            handle.die()
         for namespace, (_, owner) in self.namespaces.items():
             if owner == process:
-                kernel.note("world.owner_died", ns=namespace)
-        kernel.kill_process(process)
+                current_kernel().note("world.owner_died", ns=namespace)
 
     def death_time(self, process: str) -> float | None:
         return self.deaths.get(process)

@@ -132,8 +132,17 @@ class Kernel(Protocol):
         """Wrap a connected socket (one end of a ``socketpair``) as a stream."""
         ...
 
-    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> KProcess:
-        """Start a child OS process (spawned afresh, never forked from this one)."""
+    def wait_gone(self, process: KProcess, timeout: float) -> bool:
+        """Block until ``process``, sent SIGKILL, is gone, for at most ``timeout`` seconds; True if
+        it is. For a path that cannot await (the cleanup of a cancelled task): a process killed in
+        the middle of a system call (reserving a file's space, say) finishes that call before it
+        dies, so what it leaves may be removed only after."""
+        ...
+
+    async def start_process(self, argv: list[str]) -> tuple[KProcess, KStream]:
+        """Start a child OS process (spawned afresh, never forked from this one) with a control
+        connection: the child gets one end of a new Unix socket pair, its descriptor's number
+        appended to ``argv``; the other end comes back as a stream, with the process."""
         ...
 
 

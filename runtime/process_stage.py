@@ -1,8 +1,8 @@
 """A stage in an OS process of its own, seen from the head: a :class:`~runtime.stages.StageHandle`.
 
 :class:`ProcessStage` spawns ``python -m runtime.stage_process`` (never a fork of the loaded head)
-with one end of a socketpair, and from then on talks to it only through the control plane. It
-supervises its process: a process that exits, or that has said nothing (not even a heartbeat)
+with a control connection (one end of a socket pair), and from then on talks to it only through
+the control plane. It supervises its process: a process that exits, or that has said nothing (not even a heartbeat)
 for :data:`DEAD_AFTER_S`, is dead. Then the handle tells the orchestrator (every request bound to
 the stage fails, once, naming it), sweeps the dead process's namespace, and — unless the deploy
 says to fail the engine — starts a new process after a back-off, in a new namespace, and tells
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import socket
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +54,10 @@ class StageLaunch:
     transport: StageTransport = field(default_factory=StageTransport)
 
 
+def _sweep_posix(namespace: str) -> None:
+    PosixStore(namespace).sweep()
+
+
 class ProcessStage(Supervised):
     """The head's handle on one stage process (see the module docstring)."""
 
@@ -65,7 +68,13 @@ class ProcessStage(Supervised):
         *,
         upstream: ProcessStage | None,
         on_death: Callable[[int, str, bool], None],
+        new_namespace: Callable[[], str] = posix_store.new_namespace,
+        sweep: Callable[[str], None] = _sweep_posix,
     ) -> None:
+        """``new_namespace`` names each life's namespace and ``sweep`` empties a namespace a life
+        left: /dev/shm's by default (a simulated world has namespaces of its own)."""
+        self._fresh = new_namespace
+        self._sweep = sweep
         super().__init__(spec, restart=launch.restart, upstream=upstream, on_death=on_death)
         self.launch = launch
         k = current_kernel()
@@ -161,10 +170,10 @@ class ProcessStage(Supervised):
     # -- the process ------------------------------------------------------------------------------
 
     def new_namespace(self) -> str:
-        return posix_store.new_namespace()
+        return self._fresh()
 
     def sweep(self, namespace: str) -> None:
-        PosixStore(namespace).sweep()
+        self._sweep(namespace)
 
     def upstream_moved(self, namespace: str) -> None:
         self._post({"op": "upstream", "namespace": namespace})
@@ -173,7 +182,6 @@ class ProcessStage(Supervised):
         """Run one stage process until it stops (``""``: as asked) or dies (why)."""
         k = current_kernel()
         self._residue = {}
-        head_end, stage_end = socket.socketpair()
         spec = {
             "pipeline": self.launch.pipeline,
             "source": self.launch.source,
@@ -185,14 +193,10 @@ class ProcessStage(Supervised):
             "device": self.launch.device,
             "input_wait_timeout_s": self.launch.input_wait_timeout_s,
             "transport": dataclasses.asdict(self.launch.transport),
-            "fd": stage_end.fileno(),
         }
         argv = [sys.executable, "-m", "runtime.stage_process", json.dumps(spec)]
-        try:
-            self._process = await k.start_process(argv, pass_fds=(stage_end.fileno(),))
-        finally:
-            stage_end.close()
-        self._channel = Channel(k.stream(head_end), f"{self.spec.name}.head")
+        self._process, stream = await k.start_process(argv)
+        self._channel = Channel(stream, f"{self.spec.name}.head")
         self.pid = self._process.pid
         self._heard = k.now()
         self._death = ""
@@ -219,11 +223,13 @@ class ProcessStage(Supervised):
             # Cancelled (the head is going down hard): nothing of this life may outlive it.
             self.alive = False
             self._kill()
-            self.sweep(self.namespace)
+            if self._process is None or k.wait_gone(self._process, STOP_GRACE_S):
+                self.sweep(self.namespace)
             raise
         self._released.notify()
         if self._death:
             self._outbox.clear()  # meant for the dead process; a new one starts from the spec
+            self._residue = {}  # (its memory is gone with it)
         else:
             await self._reap(kill=False)
             self.sweep(self.namespace)  # the process sweeps itself, unless it had to be killed

@@ -12,7 +12,7 @@ from typing import TypeVar
 import outcome
 import trio
 
-from runtime.kernel import Attr, KTaskGroup, use_kernel
+from runtime.kernel import Attr, KProcess, KTaskGroup, use_kernel
 
 T = TypeVar("T")
 
@@ -152,10 +152,28 @@ class RealKernel:
     def stream(self, sock: socket.socket) -> _Stream:
         return _Stream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
 
-    async def start_process(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> trio.Process:
-        # A new session: a Ctrl-C at the terminal reaches the head only, which stops its
-        # children itself, in order.
-        return await trio.lowlevel.open_process(argv, pass_fds=pass_fds, start_new_session=True)
+    def wait_gone(self, process: KProcess, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while process.returncode is None:  # (trio's returncode polls, and reaps)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    async def start_process(self, argv: list[str]) -> tuple[trio.Process, _Stream]:
+        ours, theirs = socket.socketpair()
+        try:
+            # A new session: a Ctrl-C at the terminal reaches the head only, which stops its
+            # children itself, in order.
+            process = await trio.lowlevel.open_process(
+                [*argv, str(theirs.fileno())], pass_fds=(theirs.fileno(),), start_new_session=True
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child has its own copy
+        return process, self.stream(ours)
 
     async def compute(self, fn: Callable[[], T]) -> T:
         if self.compute_in_threads:

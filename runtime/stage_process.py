@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,14 +102,24 @@ def _text_finish(value: Any) -> TextFinish | None:
 class StageServer:
     """The stage process's side of the control plane."""
 
-    def __init__(self, stage: Stage, store: PosixStore, channel: Channel, meter: ComputeMeter) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        namespace: str,
+        channel: Channel,
+        meter: ComputeMeter,
+        point_upstream: Callable[[str], None],
+    ) -> None:
+        """``namespace``: the one the stage writes into; ``point_upstream(ns)``: point its
+        connector at the namespace its producer writes into now (the producer restarted)."""
         self.stage = stage
-        self.store = store
+        self.namespace = namespace
         self.channel = channel
+        self.point_upstream = point_upstream
         self.meter = meter
         self._outbox: deque[dict[str, Any]] = deque()
         k = current_kernel()
-        self._mail = k.signal("stage.outbox")
+        self._mail = k.signal(f"{stage.spec.name}.stage_outbox")
         self._stopped = False
         #: The stage's run ended: what it holds now is what it leaves (said in ``bye``).
         self._stage_done = False
@@ -119,12 +130,13 @@ class StageServer:
 
     async def serve(self) -> None:
         k = current_kernel()
-        await self.channel.send({"ev": "ready", "namespace": self.store.namespace})
+        await self.channel.send({"ev": "ready", "namespace": self.namespace})
+        name = self.stage.spec.name
         async with k.task_group() as tasks:
-            tasks.start_soon(self._run_stage, name="stage")
-            tasks.start_soon(self._send_loop, name="stage.send")
-            tasks.start_soon(self._report_loop, name="stage.report")
-            tasks.start_soon(self._control_loop, name="stage.control")
+            tasks.start_soon(self._run_stage, name=f"{name}.serve")
+            tasks.start_soon(self._send_loop, name=f"{name}.outbox")
+            tasks.start_soon(self._report_loop, name=f"{name}.report")
+            tasks.start_soon(self._control_loop, name=f"{name}.control")
 
     async def _run_stage(self) -> None:
         await self.stage.run(self._output)
@@ -157,12 +169,11 @@ class StageServer:
                 elif op == "abort":
                     self.stage.abort(message["request_id"])
                 elif op == "release":
-                    releases.start_soon(lambda m=message: self._release(m), name="stage.release")
+                    releases.start_soon(lambda m=message: self._release(m), name=f"{self.stage.spec.name}.release")
                 elif op == "residue":
                     self._post({"ev": "residue", "token": message["token"], "residue": self.stage.residue()})
                 elif op == "upstream":
-                    self.stage.adapter.connector.upstream = PosixStore(message["namespace"])
-                    self.stage.adapter.producer_moved()
+                    self.point_upstream(message["namespace"])
                 elif op == "shutdown":
                     self.stop()
                     return
@@ -199,15 +210,16 @@ class StageServer:
             self.stop()  # the head is gone: nobody to tell
 
 
-async def serve(spec: dict[str, Any]) -> None:
-    """Build the stage ``spec`` describes and serve the head until it says stop or goes away;
-    whatever happens, this process's namespace is swept before it exits."""
+async def serve(spec: dict[str, Any], fd: int) -> None:
+    """Build the stage ``spec`` describes and serve the head, whose end of the control connection
+    is at the other end of descriptor ``fd``, until it says stop or goes away; whatever happens,
+    this process's namespace is swept before it exits."""
     config = pipeline_config(spec["pipeline"], spec["source"], spec["async_chunk"])
     stage_spec = config.stage(spec["stage_id"])
     model = _MODELS[stage_spec.model](device=spec.get("device", "cpu"))
     store = PosixStore(spec["namespace"], claim=True)
     try:
-        await _serve_on(spec, config, stage_spec, model, store)
+        await _serve_on(spec, fd, config, stage_spec, model, store)
     except ChannelClosed:
         pass  # the head went away (before this process was ready, say): nobody to work for
     finally:
@@ -215,7 +227,12 @@ async def serve(spec: dict[str, Any]) -> None:
 
 
 async def _serve_on(
-    spec: dict[str, Any], config: PipelineConfig, stage_spec: StageSpec, model: torch.nn.Module, store: PosixStore
+    spec: dict[str, Any],
+    fd: int,
+    config: PipelineConfig,
+    stage_spec: StageSpec,
+    model: torch.nn.Module,
+    store: PosixStore,
 ) -> None:
     k = current_kernel()
     upstream = PosixStore(spec["upstream"]) if spec.get("upstream") else None
@@ -236,19 +253,26 @@ async def _serve_on(
     )
     meter = ComputeMeter()
     stage = build_stage(config, stage_spec, model, connector, meter, input_wait_timeout_s=spec["input_wait_timeout_s"])
-    sock = socket.socket(fileno=spec["fd"])
+
+    def point_upstream(namespace: str) -> None:
+        connector.upstream = PosixStore(namespace)
+        stage.adapter.producer_moved()
+
+    sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)  # a child of this process must not keep the head's view of it alive
     channel = Channel(k.stream(sock), f"stage{stage_spec.stage_id}")
-    await StageServer(stage, store, channel, meter).serve()
+    await StageServer(stage, store.namespace, channel, meter, point_upstream).serve()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``argv``: the stage's description (JSON), then the descriptor of the control connection
+    (as :meth:`runtime.kernel.Kernel.start_process` appends it)."""
     # The head stops its stages, in order; a signal to a stage alone is its death (SIGKILL, or
     # SIGTERM's default), which the head sees, sweeps up after and restarts from.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    description, fd = argv if argv is not None else sys.argv[1:]
     # Compute in a worker thread: the control plane must answer (heartbeats) while the model runs.
-    run(serve, spec, compute_in_threads=True)
+    run(serve, json.loads(description), int(fd), compute_in_threads=True)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 
 from omnisim.registry import Patch, mutant
 from runtime import supervisor
-from runtime.kernel import current_kernel
 from runtime.orchestrator import RESTART_WAIT_S, Orchestrator, RequestState
+from runtime.process_stage import ProcessStage
 from runtime.sched.base import IDLE_WAIT_S
 from runtime.sched.generation import GenerationScheduler
-from runtime.supervisor import HEARTBEAT_S, Life, LocalStage
+from runtime.supervisor import DEAD_AFTER_S
 
 
 @mutant(
@@ -57,17 +57,21 @@ def survivors_not_aborted() -> Iterator[Patch]:
 
 @mutant(
     "sweep_before_dead",
-    summary="a silent stage process is swept without being killed first: stopped, not dead, it holds its "
-    "namespace while the supervisor empties it (and writes into it again when it continues)",
+    summary="the supervisor never kills a stage process it finds dead (neither when its silence is noticed nor when "
+    "it is buried): a stopped one is swept while it lives, and goes on when it continues",
     issue="issue 10",
     scenarios=("stage_crash",),
     expect=("no-residue-after-sweep",),
 )
 def sweep_before_dead() -> Iterator[Patch]:
-    async def bury(self: LocalStage) -> None:
+    async def bury(self: ProcessStage) -> None:
         return None
 
-    yield Patch(LocalStage, "bury", bury)
+    def never_kill(self: ProcessStage) -> None:
+        return None
+
+    yield Patch(ProcessStage, "bury", bury)
+    yield Patch(ProcessStage, "_kill", never_kill)
 
 
 @mutant(
@@ -79,15 +83,11 @@ def sweep_before_dead() -> Iterator[Patch]:
     expect=("death-noticed",),
 )
 def heartbeat_never_checked() -> Iterator[Patch]:
-    async def watch(self: LocalStage, life: Life) -> str:
-        k = current_kernel()
-        while not self._stopping:
-            await k.sleep(HEARTBEAT_S)
-            if life.exited():
-                return "its process exited"
-        return ""
+    async def watch(self: ProcessStage) -> None:
+        while self.alive:
+            await self._changed.wait(DEAD_AFTER_S / 4)
 
-    yield Patch(LocalStage, "_watch", watch)
+    yield Patch(ProcessStage, "_watch", watch)
 
 
 @mutant(
@@ -110,12 +110,12 @@ def restart_hot_loop() -> Iterator[Patch]:
     expect=("restarts-back-off",),
 )
 def restart_reuses_namespace() -> Iterator[Patch]:
-    fresh = LocalStage.new_namespace
+    fresh = ProcessStage.new_namespace
 
-    def the_old_one(self: LocalStage) -> str:
+    def the_old_one(self: ProcessStage) -> str:
         return getattr(self, "namespace", None) or fresh(self)
 
-    yield Patch(LocalStage, "new_namespace", the_old_one)
+    yield Patch(ProcessStage, "new_namespace", the_old_one)
 
 
 @mutant(
