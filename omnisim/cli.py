@@ -95,6 +95,12 @@ def _whole_number(text: str, *, least: int) -> int:
     return value
 
 
+def _stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string cannot be empty (it would be found everywhere)")
+    return text
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",")]
@@ -657,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
             'omnisim pipeline run --text "hello world"',
             'omnisim pipeline run --text "hello world" --word-timestamps --out runs/hello.wav',
             'omnisim pipeline run --text "a long answer, cut short" --max-tokens 4',
+            'omnisim pipeline run --text "first this. then that" --stop . --stop !',
         ),
     )
     sp.add_argument("--text", required=True, help="what to say (1 to 20000 characters, not only spaces)")
@@ -670,6 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         metavar="N",
         help="the most tokens the answer may have, as vLLM's max_tokens (default: as many as it takes)",
+    )
+    sp.add_argument(
+        "--stop",
+        action="append",
+        type=_stop_string,
+        metavar="STRING",
+        help="end the answer before the first of these strings in it, as vLLM's stop (repeatable)",
     )
     _add_engine_options(sp)
     _add_json(sp)

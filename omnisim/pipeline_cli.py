@@ -161,6 +161,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 word_timestamps=args.word_timestamps,
                 request_id=request_id,
                 max_tokens=args.max_tokens,
+                stop=args.stop,
                 on_output=lambda kind, data: progress.update(kind, data, SAMPLE_RATE),
             )
         )

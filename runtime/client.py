@@ -40,7 +40,7 @@ class ClientOutput:
     finished: bool = False
     error: str | None = None
     #: On the last item of a request answered in full: how its text ended (``"length"``: cut
-    #: short by ``max_tokens``) and its token counts.
+    #: short by ``max_tokens``; ``"stop"``: by itself or before a stop string) and its token counts.
     text_finish: TextFinish | None = None
 
 
@@ -61,11 +61,13 @@ async def generate(
     request_id: str | None = None,
     sample_rate: int = SAMPLE_RATE,
     max_tokens: int | None = None,
+    stop: list[str] | None = None,
 ) -> AsyncIterator[ClientOutput]:
     """Run ``text`` through ``engine``. With ``stream`` every delta is yielded as it comes;
     without, one item per output type at the end. Word timestamps need audio; audio is
     delivered at ``sample_rate`` (resampled from the model's 24 kHz). ``max_tokens`` caps the
-    answer's tokens, as vLLM's does."""
+    answer's tokens and the answer ends before the first of the ``stop`` strings in it, as
+    vLLM's do."""
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
     outputs = parse_modalities(modalities)
@@ -82,6 +84,7 @@ async def generate(
             output_kind=params[-1].output_kind,
             word_timestamps=word_timestamps,
             max_tokens=max_tokens,
+            stop=stop,
         )
     except (EngineStopped, StagesDown) as e:
         # (a stage that stayed down says which, and why; the engine may well be running)

@@ -256,15 +256,21 @@ class Orchestrator:
         output_kind: OutputKind = OutputKind.DELTA,
         word_timestamps: bool = False,
         max_tokens: int | None = None,
+        stop: list[str] | None = None,
     ) -> OutputStream:
-        """Start a request whose answer has at most ``max_tokens`` tokens; its outputs arrive on
-        the returned stream. A request id still in use (not yet released) is waited for: the old
-        generation's sweep must run first."""
+        """Start a request whose answer has at most ``max_tokens`` tokens and ends before the
+        first of the ``stop`` strings in it, as vLLM's does; its outputs arrive on the returned
+        stream. A request id still in use (not yet released) is waited for: the old generation's
+        sweep must run first."""
         k = current_kernel()
         validate_request_id(request_id)
         check_input_text(text)
         if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):  # (not a bool either)
             raise ValueError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
+        # (a bare string is refused, not read as its characters; an empty one would match
+        # anywhere, and vLLM refuses it too)
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         if word_timestamps and self.aligner is None:
             raise ValueError("word_timestamps needs an engine built with a forced aligner")
         final = self.config.final_stage_id(outputs)
@@ -281,7 +287,7 @@ class Orchestrator:
         )
         self.requests[request_id] = state
         k.note("orch.accepted", req=request_id)
-        self._submit_stage(state, 0, {"text": text, "max_tokens": max_tokens})
+        self._submit_stage(state, 0, {"text": text, "max_tokens": max_tokens, "stop": stop})
         if self.async_chunk:
             for sid in self.config.prewarm_stages(final):
                 if state.error is None:  # (a failed request is not prewarmed further)

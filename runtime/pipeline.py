@@ -91,6 +91,7 @@ async def run_request(
     request_id: str | None = None,
     on_output: Callable[[str, Any], None] | None = None,
     max_tokens: int | None = None,
+    stop: list[str] | None = None,
 ) -> PipelineResult:
     """Start ``engine`` (whose stages use ``store``), stream one request through it, wait for its
     release sweep, report what is left anywhere (store and every table), and stop the engine.
@@ -108,7 +109,13 @@ async def run_request(
         await engine.wait_ready()
         start = k.now()
         answer = generate(
-            engine, text, modalities, word_timestamps=word_timestamps, request_id=request_id, max_tokens=max_tokens
+            engine,
+            text,
+            modalities,
+            word_timestamps=word_timestamps,
+            request_id=request_id,
+            max_tokens=max_tokens,
+            stop=stop,
         )
         async for out in answer:
             if on_output is not None:

@@ -80,7 +80,8 @@ class TextFinish:
     """How a request's answer ended (what vLLM's ``RequestOutput`` tells a server for its
     ``finish_reason`` and ``usage``)."""
 
-    #: ``"stop"``: the Thinker said EOS; ``"length"``: ``max_tokens`` ran out first.
+    #: ``"stop"``: the Thinker said EOS (at the end of its answer, or before a stop string);
+    #: ``"length"``: ``max_tokens`` ran out first.
     reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -118,7 +119,7 @@ class ThinkerWorker:
         self.tts_embeds = model.tts_embeds()
 
     def apply(self, request: Request, payload: dict[str, Any], *, finished: bool) -> None:
-        state = self.model.init_state(payload["text"], payload.get("max_tokens"))
+        state = self.model.init_state(payload["text"], payload.get("max_tokens"), payload.get("stop"))
         self.states[request.request_id] = state
         request.prompt_token_ids = list(state.prompt_token_ids)
         if self.collect:

@@ -225,6 +225,7 @@ def test_explore_finds_mutant_and_replay_reproduces(
         (["pipeline", "run", "--text", "hi", "--modalities", "video"], "--modalities takes text and/or audio"),
         (["pipeline", "run", "--text", "hi", "--modalities", "text", "--word-timestamps"], "needs the audio"),
         (["pipeline", "run", "--text", "hi", "--processes", "--store", "memory"], "--processes needs --store posix"),
+        (["pipeline", "run", "--text", "hi", "--stop", "i", "--stop", ""], "--stop: a stop string cannot be empty"),
         (["soak", "--pipeline", "qwen3_tts_aligner"], "this runtime runs a thinker -> talker -> code2wav pipeline"),
         (["soak", "--pipeline", "no_such.yaml"], "no_such.yaml"),
         (["soak", "--kill-every", "1"], "it needs --processes"),

@@ -38,7 +38,7 @@ from runtime.models import (
     unflatten_codes,
 )
 from runtime.models import code2wav as code2wav_module
-from runtime.models.thinker import DURATION_CHANNEL, EOS_ID
+from runtime.models.thinker import DURATION_CHANNEL, EOS_ID, answer_token_ids, before_stop
 
 U = TOTAL_UPSAMPLE
 #: The Qwen3-Omni deploy settings of ``talker2code2wav_async_chunk`` (spec §9).
@@ -293,6 +293,62 @@ def test_thinker_generate_is_deterministic(thinker: Thinker) -> None:
         assert layer.shape == (rows, thinker.hidden)
         assert torch.equal(layer, again.layers[index])
     assert set(out.tts_embeds) == {"tts_bos", "tts_eos", "tts_pad"}
+
+
+def test_a_stop_string_ends_the_answer_just_before_it_with_eos() -> None:
+    """As vLLM's ``stop`` without ``include_stop_str_in_output``: the echo ends where the stop
+    string begins, the stop string is not said, and EOS follows (the answer ended by itself)."""
+    said = answer_token_ids("hello   world", stop=["o w"])  # (found in the answer: spaces normalised)
+    assert said == [*ToyTokenizer.encode("hell"), EOS_ID]
+    assert ToyTokenizer.decode(said) == "hell"
+    assert answer_token_ids("hello world", stop=["xyz"]) == answer_token_ids("hello world")
+    assert answer_token_ids("hello world", stop=[]) == answer_token_ids("hello world")
+    # At the very start: nothing is said, EOS alone.
+    assert answer_token_ids("hello world", stop=["hello"]) == [EOS_ID]
+    # The one completed first wins, as vLLM finds it while the text is generated; at the same
+    # character, the one listed first.
+    assert before_stop("hello world", ["world", "or"]) == "hello w"
+    assert before_stop("hello world", ["or", "world"]) == "hello w"
+    assert before_stop("abc", ["c", "bc"]) == "ab"
+    assert before_stop("abc", ["bc", "c"]) == "a"
+    assert before_stop("abcabc", ["ca"]) == "ab"  # its first occurrence
+
+
+def test_max_tokens_cuts_an_answer_that_stops_as_it_cuts_any_other() -> None:
+    before = [*ToyTokenizer.encode("hello "), EOS_ID]  # three pieces and EOS
+    assert answer_token_ids("hello world", 2, ["world"]) == before[:2]  # "length": no EOS
+    assert answer_token_ids("hello world", 4, ["world"]) == before
+    assert answer_token_ids("hello world", 99, ["world"]) == before
+
+
+@pytest.mark.parametrize("stop", [[""], ["world", ""]])
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it(thinker: Thinker, stop: list[str]) -> None:
+    with pytest.raises(ValueError, match="stop cannot contain an empty string"):
+        thinker.init_state("hello world", stop=stop)
+
+
+@pytest.mark.parametrize(
+    ("stop", "max_tokens", "text", "reason"),
+    [
+        (["wor"], None, "hello ", "stop"),
+        (["hello"], None, "", "stop"),
+        (["wor"], 2, "hell", "length"),
+    ],
+)
+def test_thinker_steps_end_before_the_stop_string(
+    thinker: Thinker, stop: list[str], max_tokens: int | None, text: str, reason: str
+) -> None:
+    state = thinker.init_state("hello world", max_tokens, stop)
+    steps = []
+    while not state.finished:
+        steps.append(thinker.step(state))
+    assert "".join(s.text_delta for s in steps) == text
+    assert state.finish_reason == reason
+    assert state.output_token_ids == answer_token_ids("hello world", max_tokens, stop)
+    # A stop string at the start ends the request at its prefill, which said EOS.
+    assert steps[0].finished == (text == "")
+    out = thinker.generate("hello world", max_tokens, stop)
+    assert out.text == text and out.output_token_ids == state.output_token_ids
 
 
 # --- Talker ---

@@ -35,11 +35,12 @@ def config(async_chunk: bool) -> PipelineConfig:
     return dataclasses.replace(OMNI, deploy=dataclasses.replace(OMNI.deploy, async_chunk=async_chunk))
 
 
-def offline_audio(text: str, max_tokens: int | None = None) -> torch.Tensor:
+def offline_audio(text: str, max_tokens: int | None = None, stop: list[str] | None = None) -> torch.Tensor:
     """What the pipeline must produce for ``text``: every stage run whole, one after the other."""
+    thought = MODELS.thinker.generate(text, max_tokens, stop)
     frames = [
         f
-        for f in MODELS.talker.generate(conditioning_from_thinker(MODELS.thinker.generate(text, max_tokens)))
+        for f in MODELS.talker.generate(conditioning_from_thinker(thought))
         if not is_placeholder_frame(f) and not is_stop_frame(f)
     ]
     if not frames:
@@ -148,6 +149,51 @@ def test_max_tokens_cuts_the_answer_short_as_vllm_does(async_chunk: bool, max_to
     assert end.text_finish.completion_tokens == len(said)
     assert end.text_finish.prompt_tokens == len(prompt_token_ids(text))
     assert torch.allclose(audio_of(outputs), offline_audio(text, max_tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("async_chunk", [True, False])
+@pytest.mark.parametrize(
+    ("stop", "max_tokens", "said", "reason"),
+    [
+        (["stopped", "is"], None, "hello world, th", "stop"),  # "is" ends first, in "this"
+        (["hello"], None, "", "stop"),  # at the start: EOS alone, no audio
+        (["answer"], 3, "hello ", "length"),  # max_tokens runs out first
+        (["nowhere"], None, "hello world, this is a stopped answer", "stop"),
+    ],
+)
+def test_stop_strings_end_the_answer_before_them_as_vllm_does(
+    async_chunk: bool, stop: list[str], max_tokens: int | None, said: str, reason: str
+) -> None:
+    """The text ends just before the first stop string, which no output holds; the terminal
+    says ``"stop"`` (unless ``max_tokens`` ran out first) and counts the tokens said, EOS
+    included; the audio is the whole pipeline's for that shorter answer."""
+    text = "hello world, this is a stopped answer"
+    outputs: list[ClientOutput] = []
+
+    async def body(engine: Orchestrator) -> None:
+        outputs.extend(await collect(engine, text, max_tokens=max_tokens, stop=stop))
+
+    assert with_engine(body, async_chunk=async_chunk) == {}
+    end = outputs[-1]
+    assert end.finished and end.error is None and end.text_finish is not None
+    assert text_of(outputs) == said
+    assert end.text_finish.reason == reason
+    tokens = len(ToyTokenizer.encode(said)) + (reason == "stop")
+    assert end.text_finish.completion_tokens == tokens
+    audio = audio_of(outputs)
+    assert torch.allclose(audio, offline_audio(text, max_tokens, stop), atol=1e-5)
+    assert (audio.numel() == 0) == (said == "")
+
+
+@pytest.mark.parametrize("stop", ["hello", [""], ["hello", ""], ["hello", 3], 5])
+def test_a_stop_that_is_no_list_of_strings_is_refused_before_the_request_starts(stop: object) -> None:
+    """A bare string is not taken for its characters, and an empty one would stop anywhere."""
+
+    async def body(engine: Orchestrator) -> None:
+        with pytest.raises(ValueError, match="stop must be a list of non-empty strings"):
+            await collect(engine, "hello", stop=stop)
+
+    assert with_engine(body) == {}
 
 
 @pytest.mark.parametrize("window", [1, 2])
@@ -322,6 +368,15 @@ def test_cli_max_tokens_cuts_the_answer_short_and_says_so(tmp_path: Path, capsys
     payload = json.loads(printed.strip().splitlines()[-1])
     assert payload["text"] == "a long a" and payload["finish_reason"] == "length"
     assert "(cut short at --max-tokens 4)" in printed
+
+
+def test_cli_stop_ends_the_answer_before_the_first_stop_string(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["pipeline", "run", "--text", "a long answer, cut short", "--stop", "cut", "--stop", ",", "--json"]
+    assert main([*args, "--out", str(tmp_path / "out.wav")]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["text"] == "a long answer" and payload["finish_reason"] == "stop"
 
 
 def test_shutdown_ends_requests_in_flight_with_an_error_terminal() -> None:

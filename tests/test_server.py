@@ -31,7 +31,8 @@ from conftest import left_behind, shm_names
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.sync.client import connect
 
-from runtime.models.thinker import answer_token_ids, prompt_token_ids
+from runtime.models.code2wav import TAIL, TOTAL_UPSAMPLE
+from runtime.models.thinker import answer_token_ids, frames_for_text, prompt_token_ids
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = "hello world, this is omnisim"
@@ -188,6 +189,62 @@ def test_usage_counts_the_thinkers_tokens_and_max_tokens_cuts_the_answer_short(c
         model="qwen3_omni", messages=[{"role": "user", "content": TEXT}], modalities=["text"], max_tokens=answer
     )
     assert stopped.choices[0].message.content == TEXT and stopped.choices[0].finish_reason == "stop"
+
+
+def test_stop_ends_the_answer_before_the_first_stop_string_in_every_output(client: openai.OpenAI) -> None:
+    """As vLLM's ``stop`` (``include_stop_str_in_output`` off): the answer ends just before the
+    stop string completed first, which no output holds, streamed or not; its audio says only the
+    shorter answer, every choice ends with ``"stop"``, and ``usage`` counts the tokens said, EOS
+    included. A single string is a list of one; a stop string at the start leaves nothing."""
+    prompt = len(prompt_token_ids(TEXT))
+    message = [{"role": "user", "content": TEXT}]
+    # ("is" ends first, in "this", though "omnisim" is listed first; any number of them, as vLLM)
+    for stop, said in (("world", "hello "), (["omnisim", "is", "a", "b", "c"], "hello world, th")):
+        whole = client.chat.completions.create(
+            model="qwen3_omni", messages=message, modalities=["text", "audio"], audio={"format": "wav"}, stop=stop
+        )
+        assert whole.choices[0].message.content == said
+        assert [c.finish_reason for c in whole.choices] == ["stop", "stop"]
+        assert whole.usage is not None
+        # (the tokens of an answer that ends by itself after the text said, EOS included)
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt, len(answer_token_ids(said)))
+        audio = whole.choices[1].message.audio
+        assert audio is not None
+        assert len(_pcm(base64.b64decode(audio.data))) == 2 * (frames_for_text(said) * TOTAL_UPSAMPLE - TAIL)
+    chunks = list(
+        client.chat.completions.create(
+            model="qwen3_omni",
+            messages=message,
+            modalities=["text"],
+            stop=["is"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    deltas = [c.choices[0].delta.content or "" for c in chunks[:-1]]
+    assert "".join(deltas) == "hello world, th"
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9  # 8 pieces and EOS
+    nothing = client.chat.completions.create(model="qwen3_omni", messages=message, stop="hello")
+    assert nothing.choices[0].message.content == ""
+    audio = nothing.choices[1].message.audio
+    assert audio is not None and _pcm(base64.b64decode(audio.data)) == b""  # a WAV of no samples
+    assert [c.finish_reason for c in nothing.choices] == ["stop", "stop"]
+    assert nothing.usage is not None and nothing.usage.completion_tokens == 1  # EOS alone
+    chunks = list(client.chat.completions.create(model="qwen3_omni", messages=message, stop="hello", stream=True))
+    # (no audio chunk either: one would carry its samples as content)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_an_empty_stop_string_is_a_400_as_in_vllm(server: Running) -> None:
+    chat = {"messages": [{"role": "user", "content": TEXT}]}
+    for stop in ("", ["world", ""]):
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat | {"stop": stop})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
+        assert refused.json()["error"]["message"] == "'stop' cannot contain an empty string"
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat | {"stop": ["world", 3]})
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("'stop' must be a string")
 
 
 def test_a_streamed_chat_has_a_usage_chunk_only_when_asked(client: openai.OpenAI) -> None:

@@ -9,7 +9,10 @@ Obviously a toy, on purpose:
   is exact.
 * **Answer**: the Thinker *echoes* its input with whitespace normalised
   (:meth:`ToyTokenizer.normalize`), followed by EOS — or, as vLLM's ``max_tokens`` does, only its
-  first ``max_tokens`` tokens, without the EOS it did not reach. The tokens are teacher-forced, not sampled;
+  first ``max_tokens`` tokens, without the EOS it did not reach. With ``stop`` strings the echo
+  ends where the first of them begins (:func:`before_stop`), and EOS follows: the model "decides"
+  to stop there, so the stop string is in no output, as with vLLM's default
+  ``include_stop_str_in_output=False``. The tokens are teacher-forced, not sampled;
   the model compute is real (an embedding and a stack of GRU layers run over every position) and
   produces the hidden states the Talker conditions on.
 * **Duration hint**: channel :data:`DURATION_CHANNEL` of the embedding output (layer 0) is not
@@ -30,6 +33,7 @@ never gets the hidden state of a token no step ran).
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -100,12 +104,30 @@ class ToyTokenizer:
         return 1 if cls.piece_bytes(token_id).strip() else 0
 
 
-def answer_token_ids(text: str, max_tokens: int | None = None) -> list[int]:
-    """The Thinker's output tokens for ``text``: the normalised echo, then EOS; at most
-    ``max_tokens`` of them."""
+def before_stop(answer: str, stop: Sequence[str]) -> str:
+    """``answer`` up to where the first of the ``stop`` strings in it begins (all of it if none is
+    in it), as vLLM cuts its output without ``include_stop_str_in_output``.
+
+    vLLM looks for the stop strings in the text as it is generated, so the first one *completed*
+    wins: the one that ends first (of ``"world"`` and ``"or"`` in ``"hello world"``, ``"or"``,
+    leaving ``"hello w"``); of several that end at the same character, the one listed first, as
+    vLLM checks them in their order. A stop string at the start leaves nothing. An empty one is
+    refused, as vLLM refuses it (it would be found before every character).
+    """
+    if "" in stop:
+        raise ValueError("stop cannot contain an empty string")
+    found = [(at + len(s), order, at) for order, s in enumerate(stop) if (at := answer.find(s)) >= 0]
+    return answer[: min(found)[2]] if found else answer
+
+
+def answer_token_ids(text: str, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> list[int]:
+    """The Thinker's output tokens for ``text``: the normalised echo up to its first ``stop``
+    string (:func:`before_stop`), then EOS; at most ``max_tokens`` of them (so a cap reached
+    before the stop string ends the answer with ``"length"``)."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    return [*ToyTokenizer.encode(ToyTokenizer.normalize(text)), EOS_ID][:max_tokens]
+    answer = before_stop(ToyTokenizer.normalize(text), stop or ())
+    return [*ToyTokenizer.encode(answer), EOS_ID][:max_tokens]
 
 
 def prompt_token_ids(text: str) -> list[int]:
@@ -127,8 +149,8 @@ class ThinkerState:
     """One request's decoding state. Owned by the caller; :meth:`Thinker.step` updates it in place."""
 
     prompt_token_ids: list[int]
-    #: The whole answer (echo + EOS, or its first ``max_tokens``), fixed at ``init_state``;
-    #: ``output_token_ids`` is its prefix so far.
+    #: The whole answer (echo up to a stop string + EOS, or its first ``max_tokens``), fixed at
+    #: ``init_state``; ``output_token_ids`` is its prefix so far.
     target_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     #: Per-layer GRU state ``[1, THINKER_HIDDEN]``; None until the prefill ran.
@@ -138,8 +160,8 @@ class ThinkerState:
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's: ``"stop"`` once the answer ended with EOS, ``"length"`` once it ran out of
-        ``max_tokens`` first; None while it runs."""
+        """vLLM's: ``"stop"`` once the answer ended with EOS (by itself or before a stop string),
+        ``"length"`` once it ran out of ``max_tokens`` first; None while it runs."""
         if not self.finished:
             return None
         return "stop" if self.output_token_ids[-1] == EOS_ID else "length"
@@ -235,11 +257,12 @@ class Thinker(nn.Module):
         rows = self.embed_tokens([TTS_BOS_ID, TTS_EOS_ID, TTS_PAD_ID])
         return {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
 
-    def init_state(self, text: str, max_tokens: int | None = None) -> ThinkerState:
-        """A fresh request for ``text`` that generates at most ``max_tokens``; nothing is computed
-        until the first :meth:`step`."""
+    def init_state(self, text: str, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> ThinkerState:
+        """A fresh request for ``text`` that generates at most ``max_tokens`` and stops before the
+        first ``stop`` string (:func:`answer_token_ids`); nothing is computed until the first
+        :meth:`step`."""
         return ThinkerState(
-            prompt_token_ids=prompt_token_ids(text), target_token_ids=answer_token_ids(text, max_tokens)
+            prompt_token_ids=prompt_token_ids(text), target_token_ids=answer_token_ids(text, max_tokens, stop)
         )
 
     @torch.no_grad()
@@ -272,9 +295,9 @@ class Thinker(nn.Module):
             x = layers[index + 1] = out[:, 0]
         return layers
 
-    def generate(self, text: str, max_tokens: int | None = None) -> ThinkerOutput:
+    def generate(self, text: str, max_tokens: int | None = None, stop: Sequence[str] | None = None) -> ThinkerOutput:
         """Run a whole request through :meth:`step` and gather every row (the full-payload view)."""
-        state = self.init_state(text, max_tokens)
+        state = self.init_state(text, max_tokens, stop)
         steps = ThinkerSteps()
         while not state.finished:
             steps.append(self.step(state))

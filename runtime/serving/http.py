@@ -139,7 +139,13 @@ class Server:
         began = current_kernel().now()
         rid = _request_id("chatcmpl")
         outputs = self._outputs(
-            chat.text, chat.modalities, stream=chat.stream, word_timestamps=False, rid=rid, max_tokens=chat.max_tokens
+            chat.text,
+            chat.modalities,
+            stream=chat.stream,
+            word_timestamps=False,
+            rid=rid,
+            max_tokens=chat.max_tokens,
+            stop=chat.stop,
         )
         if chat.stream:
             return _sse(self._chat_chunks(rid, chat.audio_format, chat.include_usage, outputs, began))
@@ -149,7 +155,8 @@ class Server:
         text, audio, _, error, finish = collected
         if error is not None:
             raise _request_failed(error)
-        # (an answer cut short by max_tokens is cut short in every modality: the audio says it)
+        # (an answer cut short by max_tokens or a stop string is cut short in every modality:
+        # the audio says it too)
         reason = finish.reason if finish else "stop"
         choices: list[dict[str, Any]] = []
         if "text" in chat.modalities:
@@ -502,6 +509,7 @@ class Server:
         word_timestamps: bool,
         rid: str,
         max_tokens: int | None = None,
+        stop: list[str] | None = None,
     ) -> AsyncIterator[ClientOutput]:
         """``generate``, measured: how its audio would play, and whether it ran to its end."""
         k = current_kernel()
@@ -519,6 +527,7 @@ class Server:
                         word_timestamps=word_timestamps,
                         request_id=rid,
                         max_tokens=max_tokens,
+                        stop=stop,
                     )
                 ) as stream_:
                     async for out in stream_:

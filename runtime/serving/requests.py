@@ -60,6 +60,11 @@ def _is_object(v: Any) -> bool:
     return isinstance(v, dict)
 
 
+def _is_stop(v: Any) -> bool:
+    """vLLM's ``stop``: a string, or a list of strings."""
+    return _is_str(v) or (isinstance(v, list) and all(map(_is_str, v)))
+
+
 def _number_in(low: float, high: float = math.inf, *, above: bool = False) -> Callable[[Any], bool]:
     """A number from ``low`` (or above it) up to ``high`` (a NaN is in no range)."""
     return lambda v: _is_number(v) and (low < v if above else low <= v) and v <= high
@@ -81,7 +86,6 @@ _CHAT_IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_tokens": (_int_from(0), "an integer >= 0"),
     "seed": (_is_int, "an integer"),
     "user": (_is_str, "a string"),
-    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(_is_str, v))), "a string or strings"),
     "presence_penalty": (_number_in(-2, 2), "a number in [-2, 2]"),
     "frequency_penalty": (_number_in(-2, 2), "a number in [-2, 2]"),
     "repetition_penalty": (_number_in(0, above=True), "a number > 0"),
@@ -114,6 +118,9 @@ class ChatRequest:
     model: str | None
     #: The most tokens the answer may have (None: as many as it takes).
     max_tokens: int | None
+    #: The strings the answer ends before (vLLM's ``stop``; a single one is made a list of one
+    #: here, so the engine takes one type); None: none.
+    stop: list[str] | None
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,7 @@ _CHAT_FIELDS = frozenset(
         "tool_choice",
         "max_tokens",
         "max_completion_tokens",
+        "stop",
     }
 )
 
@@ -254,6 +262,11 @@ def parse_chat(raw: object) -> ChatRequest:
     stream = _field(body, "stream", _is_bool, "a boolean", False)
     if options and not stream:  # (as OpenAI and vLLM refuse it)
         raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    # (as many as a client sends, as vLLM takes them: OpenAI's limit of 4 is not kept)
+    stop = _field(body, "stop", _is_stop, "a string or strings", None)
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and "" in stop:  # (it would be found everywhere: vLLM refuses it too)
+        raise ApiError("'stop' cannot contain an empty string", param="stop")
     # (OpenAI's newer name wins, as in vLLM)
     max_tokens = _field(body, "max_tokens", _int_from(1), "an integer >= 1", None)
     return ChatRequest(
@@ -264,6 +277,7 @@ def parse_chat(raw: object) -> ChatRequest:
         include_usage=include_usage,
         model=_field(body, "model", _is_str, "a string", None),
         max_tokens=_field(body, "max_completion_tokens", _int_from(1), "an integer >= 1", max_tokens),
+        stop=stop,
     )
 
 
