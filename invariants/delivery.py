@@ -161,6 +161,18 @@ def stream_window_kept(world: ObservedWorld) -> list[str]:
 
 
 @invariant(
+    "max-num-seqs-kept",
+    "one step of a stage runs model work for at most max_num_seqs requests (spec §5.2 step 4: the others wait)",
+)
+def max_num_seqs_kept(world: ObservedWorld) -> list[str]:
+    return [
+        f"a step of stage {ev.attrs['stage']} ran {ev.attrs['size']} requests; its max_num_seqs is {ev.attrs['max']}"
+        for ev in world.trace
+        if ev.name == "sched.batch" and ev.attrs["size"] > ev.attrs["max"]  # type: ignore[operator]
+    ]
+
+
+@invariant(
     "streamed-as-made",
     "a streamed answer reaches its client as it is made: each audio chunk the final stage decodes is on the "
     "client's stream once the stage hands it out; only the stage's finished output waits for the other stages",

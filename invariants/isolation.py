@@ -14,9 +14,35 @@ _LIFE = re.compile(r"stage(?P<id>\d+)\.(?P<name>\w+)\.\d+")
 
 @invariant(
     "fault-isolation",
-    "when a stage process dies, only requests bound to it fail — each once, with an error naming the stage",
+    "when a stage process dies, only requests bound to it fail — each once, with an error naming the stage; a "
+    "stage is given up on only once its process died or stopped",
 )
 def fault_isolation(world: ObservedWorld) -> list[str]:
+    return _deaths_unexplained(world) + _failures_beyond_the_dead(world)
+
+
+def _deaths_unexplained(world: ObservedWorld) -> list[str]:
+    """A supervisor that takes a live, answering stage process for dead (its messages misread, a
+    heartbeat lost) fails its requests for nothing: each ``stage.died`` follows a kill or a stop of
+    that stage's process since its life began."""
+    out = []
+    struck: dict[str, bool] = {}  # stage id -> its current life's process was killed or stopped
+    for ev in world.trace:
+        if ev.name == "stage.life":
+            struck[str(ev.attrs["stage"])] = False
+        elif ev.name in ("process.killed", "process.paused"):
+            match = _LIFE.fullmatch(str(ev.attrs["process"]))
+            if match:
+                struck[match.group("id")] = True
+        elif ev.name == "stage.died" and not struck.get(str(ev.attrs["stage"]), False):
+            out.append(
+                f"stage {ev.attrs['stage']} was given up on ({ev.attrs['reason']}) though its process neither died "
+                "nor stopped"
+            )
+    return out
+
+
+def _failures_beyond_the_dead(world: ObservedWorld) -> list[str]:
     # A failure may name the stage (its Code2Wav found "the chunk … from stage 1" corrupt).
     dead = {
         name

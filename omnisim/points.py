@@ -98,6 +98,14 @@ POINTS: dict[str, tuple[str, str]] = {
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.stage_died": ("note", "a stage's process died; the requests bound to it fail [stage, reason]"),
     "sched.add": ("note", "a stage's scheduler got a request (its whole input, or a placeholder) [stage, req]"),
+    "sched.batch": (
+        "note",
+        "one step of a stage's scheduler runs model work for size requests; max_num_seqs is max [stage, size, max]",
+    ),
+    "sched.preempted": (
+        "note",
+        "a running request went back to the front of the waiting queue: over max_num_seqs [stage, req]",
+    ),
     "orch.accepted": ("note", "a request was accepted: a new generation of its id starts on the stages [req]"),
     "orch.released": (
         "note",

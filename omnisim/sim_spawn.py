@@ -5,8 +5,8 @@ OS process: it looks the command up among the world's *programs* (``python -m MO
 program registered for ``MODULE``), and runs what the program makes as a simulated process — its
 tasks scheduled like every other, killed by SIGKILL as a whole (see ``SimKernel.kill_process``).
 Its control connection is a pair of :class:`_End` s in memory that behave as a Unix socket pair's
-do: bytes arrive in order and whole, what was sent before an end closed can still be read, then
-the reader gets end-of-file, and a send to a closed end fails.
+do: bytes arrive in order, 64 KiB at most per receive, what was sent before an end closed can
+still be read, then the reader gets end-of-file, and a send to a closed end fails.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ class Spawned:
 Program = Callable[[list[str]], Spawned]
 
 
+#: The most one receive hands over (a Code2Wav chunk's audio is three times that).
+READ_PIECE = 1 << 16
+
+
 def program_name(argv: list[str]) -> str:
     """The module a ``python -m MODULE …`` command runs; a command of another form is an error."""
     if len(argv) < 3 or argv[1] != "-m":
@@ -73,8 +77,10 @@ class _End:
             await self._arrived.wait(math.inf, ready=self._readable)
         if self.closed:
             raise ConnectionError(f"{self.name}: receive on a closed connection")
-        data = bytes(self.inbox[:max_bytes])
-        del self.inbox[:max_bytes]
+        # A stream socket may hand a large message over in parts: a reader must read on.
+        take = min(max_bytes, READ_PIECE)
+        data = bytes(self.inbox[:take])
+        del self.inbox[:take]
         return data
 
     def _readable(self) -> bool:

@@ -11,6 +11,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_CHUNK = "waiting_for_chunk"
     RUNNING = "running"
+    #: Sent back to the waiting queue: more requests ran than ``max_num_seqs`` (spec §5.2 step 4).
+    PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"

@@ -372,15 +372,18 @@ def build_stage(
         name=spec.name,
         active_stream_window=config.deploy.stage(sid).active_stream_window,
     )
+    max_num_seqs = config.deploy.stage(sid).max_num_seqs
     if isinstance(model, Code2Wav):
         runner = code2wav_runner(model, meter)
-        return Stage(spec, adapter, GenerationScheduler(adapter, runner, input_wait_timeout_s), meter=meter)
+        scheduler = GenerationScheduler(adapter, runner, input_wait_timeout_s, max_num_seqs=max_num_seqs)
+        return Stage(spec, adapter, scheduler, meter=meter)
     worker = (
         ThinkerWorker(model, meter, collect=not sends)
         if isinstance(model, Thinker)
         else TalkerWorker(model, meter, collect=not sends)
     )
-    return Stage(spec, adapter, ARScheduler(adapter, worker, input_wait_timeout_s), worker, meter)
+    scheduler = ARScheduler(adapter, worker, input_wait_timeout_s, max_num_seqs=max_num_seqs)
+    return Stage(spec, adapter, scheduler, worker, meter)
 
 
 #: What each stage of the one shape this runtime runs must say: its kind, what it may return to

@@ -1,6 +1,7 @@
 """Built-in scenarios and mutants: the seed's race cases, registered with omnisim's decorators."""
 
 from scenarios import (  # noqa: F401
+    batch_cap,
     codec,
     config_contract,
     connector,
@@ -16,6 +17,7 @@ from scenarios import (  # noqa: F401
     mutants_5349,
     mutants_6670,
     mutants_8082,
+    mutants_batch_cap,
     mutants_codec,
     mutants_dataplane,
     mutants_pipeline,

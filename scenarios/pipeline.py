@@ -93,6 +93,13 @@ def shipped_config() -> PipelineConfig:
     return load_pipeline("qwen3_omni")
 
 
+def with_every_stage(config: PipelineConfig, **settings: object) -> PipelineConfig:
+    """``config`` with ``settings`` (fields of :class:`~runtime.config.deploy.StageDeploy`) on
+    every stage, as a deploy file sets them stage by stage."""
+    stages = tuple(dataclasses.replace(s, **settings) for s in config.deploy.stages)  # type: ignore[arg-type]
+    return dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, stages=stages))
+
+
 def pipeline_world(
     store_kind: str, params: Params, stage_models: Models | None = None, config: PipelineConfig | None = None
 ) -> World:

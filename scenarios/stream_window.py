@@ -9,8 +9,6 @@ stage (its receiver is cleaned up), on completion or abort.
 
 from __future__ import annotations
 
-import dataclasses
-
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params
 from omnisim.world import World
 from scenarios.edge import together
@@ -24,6 +22,7 @@ from scenarios.pipeline import (
     pipeline_scenario,
     pipeline_world,
     shipped_config,
+    with_every_stage,
 )
 
 WINDOW = Param("window", ("1", "2"), "how many requests' streams the Talker and Code2Wav take up at once")
@@ -31,10 +30,7 @@ WINDOW = Param("window", ("1", "2"), "how many requests' streams the Talker and 
 
 def windowed_world(store_kind: str, params: Params) -> World:
     """The shipped pipeline with the window set on every stage, as a deploy file sets it."""
-    shipped = shipped_config()
-    window = int(params["window"])
-    stages = tuple(dataclasses.replace(s, active_stream_window=window) for s in shipped.deploy.stages)
-    config = dataclasses.replace(shipped, deploy=dataclasses.replace(shipped.deploy, stages=stages))
+    config = with_every_stage(shipped_config(), active_stream_window=int(params["window"]))
     return pipeline_world(store_kind, params, config=config)
 
 

@@ -618,3 +618,14 @@ def test_deploy_settings_out_of_range_or_twice(edits: Callable[[Raw], None], err
     edits(raw)
     with pytest.raises(ConfigError, match=re.escape(error)):
         build_pipeline(raw, source="mine.yaml")
+
+
+def test_max_num_seqs_is_64_unless_a_stage_says_otherwise() -> None:
+    """vLLM's ``max_num_seqs`` per stage (spec §9: 64 in the shipped deploys); at least 1."""
+    raw = shipped_raw("qwen3_omni")
+    deploy_stage(raw, 2)["max_num_seqs"] = 2
+    config = build_pipeline(raw, "test")
+    assert [config.deploy.stage(sid).max_num_seqs for sid in range(3)] == [64, 64, 2]
+    deploy_stage(raw, 2)["max_num_seqs"] = 0
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        build_pipeline(raw, "test")

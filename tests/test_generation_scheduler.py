@@ -10,7 +10,7 @@ from runtime.connectors.shm import ShmConnector
 from runtime.connectors.stores import MemoryStore
 from runtime.request import Request, RequestStatus
 from runtime.sched.base import validate_input_wait_timeout
-from runtime.sched.generation import GenerationScheduler
+from runtime.sched.generation import GenerationScheduler, ScheduledChunk
 from runtime.transfer.adapter import ChunkTransferAdapter
 
 
@@ -84,3 +84,36 @@ async def test_a_new_request_no_step_took_up_is_work_whatever_the_doorbell_says(
     assert scheduler._has_work()
     await scheduler.step()  # parks it, registered for its first chunk
     assert not scheduler._has_work()
+
+
+async def test_max_num_seqs_runs_the_first_requests_and_a_preempted_one_keeps_its_chunk() -> None:
+    """Spec §5.2 step 4: while more requests run than ``max_num_seqs``, the last one goes back to
+    the front of the waiting queue — still holding the chunk it had ready, which a later step
+    runs."""
+    batches: list[list[str]] = []
+
+    def run(chunks: list[ScheduledChunk]) -> list[object]:
+        batches.append([chunk.request.request_id for chunk in chunks])
+        return [None] * len(chunks)
+
+    adapter = ChunkTransferAdapter(ShmConnector(MemoryStore(), stage_id=2), sends_chunks=False)
+    scheduler = GenerationScheduler(adapter, run, max_num_seqs=1)
+    first, second, third = (Request(rid, rid) for rid in ("a", "b", "c"))
+    for request in (first, second, third):
+        scheduler.add_request(request, codes=[1, 2])  # (forwarded whole: ready at once)
+    await scheduler.step()
+    assert batches == [["a"]]  # one a step: b and c wait, in order
+    # Two running at once (as a step of a larger cap left them): the last one is preempted.
+    scheduler.running.append(scheduler.waiting.pop(0))
+    scheduler.running.append(scheduler.waiting.pop(0))
+    await scheduler.step()
+    assert batches[-1] == ["b"]
+    assert third.status is RequestStatus.PREEMPTED and scheduler.waiting == [third] and "c" in scheduler.ready
+    await scheduler.step()
+    assert batches[-1] == ["c"] and scheduler.residue() == {}
+
+
+def test_max_num_seqs_is_at_least_one() -> None:
+    adapter = ChunkTransferAdapter(ShmConnector(MemoryStore(), stage_id=2), sends_chunks=False)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        GenerationScheduler(adapter, lambda chunks: [], max_num_seqs=0)

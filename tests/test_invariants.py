@@ -78,6 +78,30 @@ def test_restarts_back_off_in_a_new_namespace() -> None:
     assert check(lives(*stable, ("stage.life", 10_100_000, "b"))) == []  # a life of 10 s: back to 0.1 s
 
 
+def test_fault_isolation_gives_a_stage_up_only_once_its_process_died_or_stopped() -> None:
+    life = ("stage.life", {"stage": 1, "ns": "ns2"})
+    died = ("stage.died", {"stage": 1, "reason": "its process exited"})
+    check = INVARIANTS["fault-isolation"].check
+    for struck in ("process.killed", "process.paused"):
+        assert check(world_of(life, (struck, {"process": "stage1.talker.0"}), died)) == []
+    assert check(world_of(life, ("process.killed", {"process": "stage2.code2wav.0"}), died)) == [
+        "stage 1 was given up on (its process exited) though its process neither died nor stopped"
+    ]
+    # (a kill of its earlier life explains none of the next life's deaths)
+    again = ("stage.life", {"stage": 1, "ns": "ns4"})
+    assert check(world_of(life, ("process.killed", {"process": "stage1.talker.0"}), died, again, died)) == [
+        "stage 1 was given up on (its process exited) though its process neither died nor stopped"
+    ]
+
+
+def test_max_num_seqs_kept_counts_each_step() -> None:
+    check = INVARIANTS["max-num-seqs-kept"].check
+    assert check(world_of(("sched.batch", {"stage": 2, "size": 2, "max": 2}))) == []
+    assert check(world_of(("sched.batch", {"stage": 2, "size": 3, "max": 2}))) == [
+        "a step of stage 2 ran 3 requests; its max_num_seqs is 2"
+    ]
+
+
 def test_bad_input_refused_compares_each_case_with_what_it_must_give() -> None:
     held = world_of(
         ("input.case", {"what": "a put under the key 'a/b'", "got": "InvalidKeyError", "want": "InvalidKeyError"})

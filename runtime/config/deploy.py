@@ -50,6 +50,10 @@ class CodecChunking:
     codec_left_context_frames: int = 25
 
 
+#: vLLM's ``max_num_seqs`` in the shipped deploy files: every stage's (spec §9).
+MAX_NUM_SEQS = 64
+
+
 @dataclass(frozen=True)
 class StageDeploy:
     """One stage's deploy settings."""
@@ -64,6 +68,9 @@ class StageDeploy:
     #: How many requests' chunk streams the stage takes up at once (spec §5.2, #5349): the others
     #: wait, in arrival order, for a slot that only the end of a request frees. 0: no limit.
     active_stream_window: int = 0
+    #: The most requests one step of the stage runs (vLLM's ``max_num_seqs``; spec §5.2 step 4:
+    #: the requests over it wait, the last ones first, for the next steps).
+    max_num_seqs: int = MAX_NUM_SEQS
 
 
 class Transport(StrEnum):
@@ -124,7 +131,15 @@ DEPLOY_KEYS = (
 )
 EDGE_KEYS = ("from_stage", "to_stage", "transport")
 RESTART_POLICIES = ("restart", "fail")
-STAGE_KEYS = ("stage_id", "async_chunk", "async_scheduling", "device", "connector_role", "active_stream_window")
+STAGE_KEYS = (
+    "stage_id",
+    "async_chunk",
+    "async_scheduling",
+    "device",
+    "connector_role",
+    "active_stream_window",
+    "max_num_seqs",
+)
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -167,6 +182,7 @@ def parse_deploy(raw: object, num_stages: int, path: str = "deploy") -> DeployCo
             device=check_device(stage_fields.get_str("device", "cpu"), stage_fields.at("device")),
             connector_role=stage_fields.get_optional_enum("connector_role", ConnectorRole),
             active_stream_window=stage_fields.get_int("active_stream_window", 0, minimum=0),
+            max_num_seqs=stage_fields.get_int("max_num_seqs", MAX_NUM_SEQS, minimum=1),
         )
     restart = fields.get_str("restart", "restart")
     if restart not in RESTART_POLICIES:

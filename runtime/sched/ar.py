@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from runtime.config.deploy import MAX_NUM_SEQS
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageOutput, StageScheduler
@@ -64,9 +65,14 @@ class ARScheduler(StageScheduler):
     """One AR stage: decode every request that can step, one step each per round."""
 
     def __init__(
-        self, adapter: ChunkTransferAdapter, worker: ARWorker, input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S
+        self,
+        adapter: ChunkTransferAdapter,
+        worker: ARWorker,
+        input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+        *,
+        max_num_seqs: int = MAX_NUM_SEQS,
     ) -> None:
-        super().__init__(adapter, input_wait_timeout_s)
+        super().__init__(adapter, input_wait_timeout_s, max_num_seqs=max_num_seqs)
         self.worker = worker
         #: Requests whose input streams in as chunks from the stage before.
         self.chunk_fed: dict[str, None] = {}
@@ -139,7 +145,7 @@ class ARScheduler(StageScheduler):
 
     async def _decode(self) -> list[StageOutput]:
         outputs = []
-        for request in [r for r in self.requests.values() if self._can_decode(r)]:
+        for request in self._batch():
             try:
                 step = await current_kernel().compute(lambda request=request: self.worker.step(request))
             except Exception as e:
@@ -158,6 +164,14 @@ class ARScheduler(StageScheduler):
                 await self.adapter.cleanup_receiver(request.request_id)
                 self._free(request, request.status)
         return outputs
+
+    def _batch(self) -> list[Request]:
+        """The requests this step decodes: those that can, the first ``max_num_seqs`` of them in
+        arrival order (the others wait for a later step, as vLLM's running queue has them)."""
+        batch = [r for r in self.requests.values() if self._can_decode(r)][: self.max_num_seqs]
+        if batch:
+            self._note_batch(len(batch))
+        return batch
 
     @staticmethod
     def _handle_stopped_request(request: Request) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.config.deploy import MAX_NUM_SEQS
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.transfer.adapter import ChunkTransferAdapter
@@ -48,9 +49,19 @@ def validate_input_wait_timeout(value: float) -> float:
 class StageScheduler:
     """The driving half of a stage scheduler; subclasses implement :meth:`step`."""
 
-    def __init__(self, adapter: ChunkTransferAdapter, input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        adapter: ChunkTransferAdapter,
+        input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+        *,
+        max_num_seqs: int = MAX_NUM_SEQS,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.adapter = adapter
         self.input_wait_timeout_s = validate_input_wait_timeout(input_wait_timeout_s)
+        #: The most requests one step runs (vLLM's ``max_num_seqs``).
+        self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}
         #: request id -> when it started waiting for its current chunk (reset by every arrival).
         self.waiting_since: dict[str, float] = {}
@@ -112,6 +123,10 @@ class StageScheduler:
     def _has_new_request(self) -> bool:
         """Whether a request came that no step took up yet (each scheduler knows by its own state)."""
         return False
+
+    def _note_batch(self, size: int) -> None:
+        """One step runs ``size`` requests' model work (at most :attr:`max_num_seqs`)."""
+        current_kernel().note("sched.batch", stage=self.adapter.stage_id, size=size, max=self.max_num_seqs)
 
     async def step(self) -> list[StageOutput]:
         raise NotImplementedError

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.config.deploy import MAX_NUM_SEQS
 from runtime.kernel import current_kernel
 from runtime.request import Request, RequestStatus
 from runtime.sched.base import INPUT_WAIT_TIMEOUT_S, StageOutput, StageScheduler
@@ -54,8 +55,10 @@ class GenerationScheduler(StageScheduler):
         adapter: ChunkTransferAdapter,
         run_model: ModelRunner,
         input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
+        *,
+        max_num_seqs: int = MAX_NUM_SEQS,
     ) -> None:
-        super().__init__(adapter, input_wait_timeout_s)
+        super().__init__(adapter, input_wait_timeout_s, max_num_seqs=max_num_seqs)
         self.run_model = run_model
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -83,15 +86,19 @@ class GenerationScheduler(StageScheduler):
         return request_id in self.forwarded or self.adapter.is_done_receiving_chunks(request_id)
 
     def _has_new_request(self) -> bool:
-        """A step moves every waiting request its active-stream window lets in on (to running,
-        or parked waiting for its chunk): one still plainly waiting that it lets in came after."""
-        return any(r.status is RequestStatus.WAITING and self.adapter.may_admit(r.request_id) for r in self.waiting)
+        """A step moves every waiting request its active-stream window lets in on (to running, as
+        far as ``max_num_seqs`` leaves room, or parked waiting for its chunk): one still plainly
+        waiting that it lets in, with room to run, came after."""
+        return self._has_room() and any(
+            r.status is RequestStatus.WAITING and self.adapter.may_admit(r.request_id) for r in self.waiting
+        )
 
     # -- one step ---------------------------------------------------------------------------------
 
     async def step(self) -> list[StageOutput]:
         outputs = await self._apply_aborts()
         parked = await self._process_pending_chunks()
+        self._preempt()
         outputs += await self._expire_stalled()
         try:
             scheduled, finishing = self._schedule()
@@ -139,11 +146,24 @@ class GenerationScheduler(StageScheduler):
                 parked.append(request)
         return parked
 
+    def _has_room(self) -> bool:
+        """Another request may run: fewer run than ``max_num_seqs``."""
+        return len(self.running) < self.max_num_seqs
+
+    def _preempt(self) -> None:
+        """Spec §5.2 step 4: while more requests run than ``max_num_seqs``, the last one goes back
+        to the front of the waiting queue (what it holds — a chunk ready to run — it keeps)."""
+        while len(self.running) > self.max_num_seqs:
+            request = self.running.pop()
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.insert(0, request)
+            current_kernel().note("sched.preempted", stage=self.adapter.stage_id, req=request.request_id)
+
     def _schedule(self) -> tuple[list[ScheduledChunk], list[Request]]:
         scheduled: list[ScheduledChunk] = []
         finishing: list[Request] = []
-        for request in list(self.waiting):
-            self.waiting.remove(request)
+        while self.waiting and self._has_room():
+            request = self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         for request in self.running:
@@ -166,6 +186,8 @@ class GenerationScheduler(StageScheduler):
             elif self._input_complete(rid):
                 finishing.append(request)  # nothing left: finish without a model pass (#3613)
             self.ready.pop(rid, None)
+        if scheduled:
+            self._note_batch(len(scheduled))
         return scheduled, finishing
 
     async def _update_from_output(
