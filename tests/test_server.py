@@ -933,7 +933,8 @@ def _stage_process(server: Running, stage_id: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
         ours = ppid == server.proc.pid and b"runtime.stage_process" in argv
-        if ours and json.loads(argv[-2])["stage_id"] == stage_id:
+        # (python -m runtime.stage_process DESCRIPTION FD)
+        if ours and json.loads(argv[argv.index(b"runtime.stage_process") + 1])["stage_id"] == stage_id:
             return int(entry.name)
     raise AssertionError(f"no stage process {stage_id} under the server")
 
