@@ -54,10 +54,10 @@ def models() -> Models:
 
 
 @functools.cache
-def offline_answer(text: str, max_tokens: int | None = None) -> tuple[str, torch.Tensor]:
+def offline_answer(text: str, max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> tuple[str, torch.Tensor]:
     """The text and audio of ``text`` with every stage run whole, one after the other."""
     m = models()
-    thought = m.thinker.generate(text, max_tokens)
+    thought = m.thinker.generate(text, max_tokens, stop)
     frames = [
         f
         for f in m.talker.generate(conditioning_from_thinker(thought))
@@ -256,6 +256,8 @@ class Client:
     sample_rate: int = SAMPLE_RATE
     #: The most tokens the answer may have (vLLM's ``max_tokens``).
     max_tokens: int | None = None
+    #: The strings the answer ends before (vLLM's ``stop``).
+    stop: tuple[str, ...] = ()
     #: Stop listening after this many outputs (a disconnect: ``generate`` is closed early).
     leave_after: int | None = None
     #: False: the whole answer at once, one output per kind (a non-streamed chat or speech request).
@@ -320,6 +322,7 @@ class Client:
             sample_rate=self.sample_rate,
             stream=self.streamed,
             max_tokens=self.max_tokens,
+            stop=list(self.stop) or None,
         )
         terminal_at: int | None = None  # (where it got its terminal, if it let go there)
         async with aclosing(answer):
@@ -381,7 +384,7 @@ class Client:
                 len(kinds) == len(set(kinds)),
                 f"{self.name}: a whole answer came as {', '.join(kinds)}, not one output per kind",
             )
-        said = answer_token_ids(self.text, self.max_tokens)
+        said = answer_token_ids(self.text, self.max_tokens, self.stop)
         want = TextFinish("stop" if said[-1] == EOS_ID else "length", len(prompt_token_ids(self.text)), len(said))
         finish = self.outputs[-1].text_finish
         probe(
@@ -389,7 +392,7 @@ class Client:
             finish == want,
             f"{self.name}: the terminal says the answer ended {finish}; want {want}",
         )
-        want_text, want_audio = offline_answer(self.text, self.max_tokens)
+        want_text, want_audio = offline_answer(self.text, self.max_tokens, self.stop)
         if "text" in self.modalities:
             text = "".join(o.data for o in self.outputs if o.kind is OutputType.TEXT and o.data is not None)
             probe("samples-exactly-once", text == want_text, f"{self.name}: got text {text!r}, want {want_text!r}")
@@ -447,7 +450,8 @@ async def abort_once_submitted(client: Client, *, after_points: int = 0) -> None
     "pipeline_requests",
     summary="four concurrent requests through Thinker → Talker → Code2Wav: one inside the initial "
     "chunk, one with a remainder, one on the 4+25 boundary (empty terminal), one whose max_tokens of 1 ends the "
-    "Thinker at its prefill; each gets its exact text and audio, and a terminal that says how its answer ended",
+    "Thinker at its prefill, one whose stop string begins its answer (EOS alone: no text, no audio); each gets its "
+    "exact text and audio, and a terminal that says how its answer ended",
     issue="#5413, #5383, spec §1.5–1.6, §4.1–4.2",
 )
 async def pipeline_requests(world: World) -> None:
@@ -458,6 +462,8 @@ async def pipeline_requests(world: World) -> None:
         # Its one token comes from the prefill step, which then ends the Thinker: chunk 0 goes
         # out finished, with the prompt's rows and no generated one.
         Client(world, "capped", REMAINDER, "capped", max_tokens=1),
+        # Its answer would begin with the stop string: EOS alone, at the prefill, and nothing said.
+        Client(world, "stopped", REMAINDER, "stopped", stop=("hello",)),
     ]
     await together(*((c.name, c.run) for c in clients))
 
