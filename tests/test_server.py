@@ -58,6 +58,22 @@ def _sigint_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+#: The servers a test started itself, until it ends (see ``no_server_outlives_its_test``).
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def no_server_outlives_its_test() -> Iterator[None]:
+    """A test that fails before it stopped the server it started leaves no server running (it
+    would hold its port, its stage processes and its /dev/shm names for the rest of the run)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start_server(*extra: str) -> Running:
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnisim.cli", "serve", "--port", "0", *extra],
@@ -67,6 +83,7 @@ def start_server(*extra: str) -> Running:
         text=True,
         preexec_fn=_sigint_as_at_a_terminal,
     )
+    _STARTED.append(proc)
     assert proc.stdout is not None
     banner = proc.stdout.readline()
     found = re.search(r"on (http://[\d.]+:\d+)", banner)
@@ -80,6 +97,7 @@ def start_server(*extra: str) -> Running:
 def server() -> Iterator[Running]:
     before = shm_names()
     running = start_server()
+    _STARTED.remove(running.proc)  # (it serves the whole module)
     print(running.banner)
     yield running
     assert running.stop() == 130
