@@ -102,3 +102,13 @@ async def test_a_new_request_no_step_took_up_is_work_whatever_the_doorbell_says(
     assert scheduler._has_work()  # the first has a step left
     await scheduler.step()
     assert not scheduler._has_work() and set(scheduler.requests) == {"fed"}
+
+
+async def test_max_num_seqs_decodes_the_first_requests_that_can_and_the_others_later() -> None:
+    adapter = ChunkTransferAdapter(ShmConnector(MemoryStore(), stage_id=0), worker_type="ar", name="thinker")
+    scheduler = ARScheduler(adapter, CountingWorker(), max_num_seqs=2)
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(Request(rid, rid), {"text": "x"}, sends=False)
+    assert [o.request_id for o in await scheduler.step()] == ["a", "b"]  # c waits, in arrival order
+    assert [o.request_id for o in await scheduler.step()] == ["a", "b"]  # (a and b finish here)
+    assert [o.request_id for o in await scheduler.step()] == ["c"]
