@@ -111,6 +111,7 @@ POINTS: dict[str, tuple[str, str]] = {
         "note",
         "a request's release sweep ran on every stage; its id is free [req, answered: it ended whole, reclaimed]",
     ),
+    "stage.ready": ("point", "a stage process built its stage and is about to tell the head it is ready [stage]"),
     "stage.life": ("note", "a stage's supervisor starts a life of it, writing into a namespace [stage, ns]"),
     "stage.buried": (
         "note",

@@ -130,6 +130,7 @@ class StageServer:
 
     async def serve(self) -> None:
         k = current_kernel()
+        await k.point("stage.ready", stage=self.stage.spec.stage_id)
         await self.channel.send({"ev": "ready", "namespace": self.namespace})
         name = self.stage.spec.name
         async with k.task_group() as tasks:

@@ -18,6 +18,8 @@ phase                  where the stage dies
 ``during_abort``       while it reclaims V's chunks for the client's abort
 ``paused``             stopped (SIGSTOP) half-way through a put for longer than the
                        heartbeat allows: the supervisor must kill it before sweeping
+``while_starting``     its first life, as it is about to say it is ready (a model that
+                       fails to load): the requests wait for the restart
 =====================  =============================================================
 
 Meanwhile a text-only request T runs on the Thinker alone, and once V ended its id is reused.
@@ -66,6 +68,8 @@ CRASHES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ("thinker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "0"}),
     ("talker", "during_abort"): ("crash_stage", "adapter.cleanup_sender.begin", {"ext": "V", "stage": "1"}),
     ("talker", "paused"): ("pause_stage", "shm.put.written", {"key": "V_1_1"}),
+    ("talker", "while_starting"): ("crash_stage", "stage.ready", {"stage": "1"}),
+    ("code2wav", "while_starting"): ("crash_stage", "stage.ready", {"stage": "2"}),
     # Its first two lives die as V, then the reused V, reach them: the second restart backs off longer.
     ("talker", "twice"): ("crash_stage", "adapter.load_async", {"req": "V#1"}),
     # The same, with the reused V sent once the second life has lived past the supervisor's 10 s
