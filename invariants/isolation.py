@@ -72,24 +72,40 @@ def _failures_beyond_the_dead(world: ObservedWorld) -> list[str]:
 @invariant(
     "abort-stops-work",
     "once a request failed or was aborted, or its client stopped listening, each stage sends at most one more "
-    "chunk of it (the step in flight)",
+    "chunk of it (the step in flight) once it was told (a stage process is told by a message, which takes its "
+    "time; a stage never told is held to it from the end on)",
 )
 def abort_stops_work(world: ObservedWorld) -> list[str]:
     out = []
+    told = _told_to_stop(world)
     stopped: dict[str, dict[str, int]] = {}  # ext -> stage request -> chunks queued since
+    ended: dict[str, int] = {}  # ext -> where its request ended
     for ev in world.trace:
         if ev.name in ("orch.fail", "orch.abort.begin", "client.left"):
             stopped.setdefault(str(ev.attrs["req"]), {})
+            ended.setdefault(str(ev.attrs["req"]), ev.index)
         elif ev.name == "orch.accepted":
             stopped.pop(str(ev.attrs["req"]), None)  # a new generation of the id
+            ended.pop(str(ev.attrs["req"]), None)
         elif ev.name == "adapter.save_async" and (since := stopped.get(str(ev.attrs["ext"]))) is not None:
             req = str(ev.attrs["req"])
+            if ev.index < next((i for i in told.get(req, []) if i > ended[str(ev.attrs["ext"])]), -1):
+                continue  # (before its stage was told)
             since[req] = since.get(req, 0) + 1
             if since[req] == 2:
                 out.append(
                     f"{ev.task} kept working on {req} after its request ended (a second chunk at event {ev.index})"
                 )
     return out
+
+
+def _told_to_stop(world: ObservedWorld) -> dict[str, list[int]]:
+    """Stage request -> where its stage's scheduler was asked to abort it, in order."""
+    told: dict[str, list[int]] = {}
+    for ev in world.trace:
+        if ev.name == "sched.abort":
+            told.setdefault(str(ev.attrs["req"]), []).append(ev.index)
+    return told
 
 
 #: How soon a request bound to a stage that died or stopped must end: the supervisor's

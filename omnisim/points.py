@@ -98,6 +98,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "orch.abort.end": ("point", "the abort returned [req]"),
     "orch.stage_died": ("note", "a stage's process died; the requests bound to it fail [stage, reason]"),
     "sched.add": ("note", "a stage's scheduler got a request (its whole input, or a placeholder) [stage, req]"),
+    "sched.abort": ("note", "a stage's scheduler was asked to abort a request (applied at its next step) [stage, req]"),
     "sched.batch": (
         "note",
         "one step of a stage's scheduler runs model work for size requests; max_num_seqs is max [stage, size, max]",

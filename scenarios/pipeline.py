@@ -23,6 +23,7 @@ from invariants.observed import Stream, TraceEvent
 from omnisim.faults import Fault, FaultPlan
 from omnisim.registry import DEFAULT_INVARIANTS, Param, Params, ScenarioBody, scenario
 from omnisim.sim_kernel import current_task_name, current_trace
+from omnisim.stage_processes import build_process_engine
 from omnisim.world import World
 from runtime.client import ClientOutput, generate
 from runtime.config.pipeline import PipelineConfig, load_pipeline
@@ -73,6 +74,8 @@ MODALITIES = Param("modalities", ("text+audio", "audio", "text"), "what the clie
 AUDIO_MODALITIES = Param("modalities", ("text+audio", "audio"), "what the clients ask for (audio always)")
 #: How stages hand each other their outputs: chunk by chunk, or whole once a stage finished.
 ASYNC_CHUNK = Param("async_chunk", ("on", "off"), "the deploy's async_chunk: chunked hand-off or whole payloads")
+#: Where the stages run: in the engine's process, or each in a simulated process of its own.
+PROCESSES = Param("processes", ("no", "yes"), "the stages in the engine's process, or each in a process of its own")
 #: When the engine stops: after every request ended, or at a drawn moment while they run.
 SHUTDOWN = Param("shutdown", ("idle", "in_flight"), "the engine shuts down once idle, or while requests run")
 PIPELINE_PARAMS = (MODALITIES, ASYNC_CHUNK, SHUTDOWN)
@@ -104,14 +107,24 @@ def pipeline_world(
     store_kind: str, params: Params, stage_models: Models | None = None, config: PipelineConfig | None = None
 ) -> World:
     """The engine of ``config`` (default: the shipped pipeline) on the world's store, with the
-    process's models unless ``stage_models`` are given."""
-    world = World(store_kind)
+    process's models unless ``stage_models`` are given; with ``processes=yes``, each stage a
+    simulated process of its own, the control plane between it and the engine."""
     config = config or shipped_config()
     if params.get("async_chunk") == "off":
         config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, async_chunk=False))
-    engine = build_engine(config, stage_models or models(), world.store)
-    if config.deploy.async_chunk:
-        watch_talker_input(world, engine.stages[TALKER_STAGE].adapter.connector)
+    if params.get("processes") == "yes":
+        world = World(store_kind, processes=True)
+        engine = build_process_engine(world, config, stage_models or models())
+
+        async def settle() -> None:
+            await engine.residue_now()  # what each stage process holds now, not at its last heartbeat
+
+        world.settle = settle
+    else:
+        world = World(store_kind)
+        engine = build_engine(config, stage_models or models(), world.store)
+        if config.deploy.async_chunk:
+            watch_talker_input(world, engine.stages[TALKER_STAGE].adapter.connector)
     watch_handed_out(engine)
     world.components["engine"] = engine
     world.add_service("engine", engine.run, engine.shutdown)
@@ -569,7 +582,7 @@ async def pipeline_send_failure(world: World) -> None:
     summary="a request's client goes away while the Thinker's put of its terminal chunk fails, and the id is "
     "reused at once: the give-up is the old generation's, read before its id is free, and never fails the new one",
     issue="#4855 R1.2, spec §2.11",
-    params=(AUDIO_MODALITIES, SHUTDOWN),
+    params=(AUDIO_MODALITIES, SHUTDOWN, PROCESSES),
     faults=lambda seed: FaultPlan([Fault("put_fail", match={"key": "F_0_2"})], seed),
 )
 async def pipeline_send_failure_reused(world: World) -> None:

@@ -57,6 +57,13 @@ def test_abort_stops_work_allows_the_step_in_flight_only() -> None:
             "main kept working on L#0 after its request ended (a second chunk at event 2)"
         ]
     assert INVARIANTS["abort-stops-work"].check(world_of(*sent(3))) == []  # (a request that runs on)
+    # A stage process is told by a message: what it sent before it was told is not held against it.
+    told = ("sched.abort", {"stage": 0, "req": "L#0"})
+    ended = ("orch.abort.begin", {"req": "L"})
+    assert INVARIANTS["abort-stops-work"].check(world_of(ended, *sent(3), told, *sent(1))) == []
+    assert INVARIANTS["abort-stops-work"].check(world_of(ended, *sent(3), told, *sent(2))) == [
+        "main kept working on L#0 after its request ended (a second chunk at event 6)"
+    ]
 
 
 def test_restarts_back_off_in_a_new_namespace() -> None:

@@ -1022,6 +1022,12 @@ class ShmConnector:
             return
         self._closed = True
         yield from list(self._pending_keys)
+        # A lock file a reader held when its key was cleaned up: gone by now if the reader
+        # finished (it removes the file itself), and removed here if it is idle. One still held is
+        # its reader's to remove (or a sweep's, if the reader died): nothing here looks again.
+        for key in list(self._held_locks):
+            self._remove_idle_lock(key)
+        self._held_locks.clear()
         for name in self.store.spares():
             try:
                 self.store.remove_spare(name)

@@ -85,6 +85,7 @@ class StageScheduler:
         of the next step, between two schedules, as an engine core applies aborts — so it never
         lands in the middle of one (where a freed request could be re-queued, #3736)."""
         self.pending_aborts[request_id] = None
+        current_kernel().note("sched.abort", stage=self.adapter.stage_id, req=request_id)
         self._ring()
 
     def shutdown(self) -> None:
