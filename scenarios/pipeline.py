@@ -537,6 +537,7 @@ async def pipeline_abort_before_output(world: World) -> None:
     summary="concurrent requests while clients abort at random points, one stops listening, and an id is reused "
     "at once: every client gets one terminal, finished ones their exact answer, and nothing is left behind",
     issue="#8082, #6670, #7006, spec §2.11",
+    params=(*PIPELINE_PARAMS, PROCESSES),
 )
 async def pipeline_concurrent_chaos(world: World) -> None:
     steady = Client(world, "steady", REMAINDER, "S", breaks_at_terminal=True)
