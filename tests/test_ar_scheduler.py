@@ -112,3 +112,14 @@ async def test_max_num_seqs_decodes_the_first_requests_that_can_and_the_others_l
     assert [o.request_id for o in await scheduler.step()] == ["a", "b"]  # c waits, in arrival order
     assert [o.request_id for o in await scheduler.step()] == ["a", "b"]  # (a and b finish here)
     assert [o.request_id for o in await scheduler.step()] == ["c"]
+
+
+async def test_max_num_seqs_counts_only_the_requests_that_can_step() -> None:
+    """A request waiting for input takes no place in the batch: the next one that can step does."""
+    adapter = ChunkTransferAdapter(ShmConnector(MemoryStore(), stage_id=0), worker_type="ar", name="thinker")
+    worker = CountingWorker()
+    scheduler = ARScheduler(adapter, worker, max_num_seqs=1)
+    for rid in ("a", "b"):
+        scheduler.add_request(Request(rid, rid), {"text": "x"}, sends=False)
+    worker.left["a"] = 0  # (a has nothing to step on yet)
+    assert [o.request_id for o in await scheduler.step()] == ["b"]
