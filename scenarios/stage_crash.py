@@ -41,6 +41,7 @@ from omnisim.sim_kernel import SimKernel, current_trace
 from omnisim.stage_processes import build_process_engine
 from omnisim.world import World
 from runtime.config.pipeline import load_pipeline
+from runtime.connectors.keys import external_id_of
 from runtime.kernel import Attr, current_kernel
 from runtime.orchestrator import SHUT_DOWN, Unavailable
 from scenarios.edge import together
@@ -111,18 +112,34 @@ def check_failed_after_death(world: World, clients: tuple[Client, ...]) -> None:
         after_death = deaths and failed is not None and failed.index > deaths[0]
         world.probe(
             "fault-isolation",
-            client.stream.outcome != "failed" or not after_death or isinstance(client.stream.error, Unavailable),
+            client.stream.outcome != "failed"
+            or not after_death
+            or isinstance(client.stream.error, Unavailable)
+            or struck_by_a_fault(client),
             f"{client.name} failed after a stage process died, with an error that does not say a retry may "
             f"succeed: {client.stream.error!r}",
         )
+
+
+def struck_by_a_fault(client: Client) -> bool:
+    """Whether an injected fault (``--faults sampled``) hit a key of the client's request once the
+    engine accepted it: the request may fail of that, whatever else died meanwhile."""
+    accepted = client.stream.accepted_at
+    return accepted is not None and any(
+        e.index > accepted and external_id_of(str(e.attrs["key"])) == client.request_id
+        for e in events("fault")
+        if "key" in e.attrs
+    )
 
 
 async def text_while_down(world: World, stage: str) -> None:
     """A text-only request submitted while ``stage`` (not the Thinker) is down is accepted at once
     and answered in full: it needs the Thinker alone, so it never waits for the restart."""
     engine = engine_of(world)
-    if engine.stages[STAGE_IDS[stage]].health()["alive"]:
-        return  # (back already, or never noticed dead: nothing to show)
+    if engine.stages[STAGE_IDS[stage]].health()["alive"] or not engine.stages[0].health()["alive"]:
+        # (back already, or never noticed dead; or the Thinker itself is not up — still starting,
+        # in a shrunk find's world that asked nothing before: nothing to show)
+        return
     meanwhile = Client(world, "T.meanwhile", SHORT, "M", modalities=("text",))
     await meanwhile.run()
     if meanwhile.left_out:
