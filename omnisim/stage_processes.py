@@ -37,7 +37,7 @@ def build_process_engine(
     input_wait_timeout_s: float = INPUT_WAIT_TIMEOUT_S,
 ) -> Orchestrator:
     """The engine of ``config`` with every stage a simulated process of ``world`` (restart
-    policy: the deploy file's)."""
+    policy: the deploy file's); the world settles by asking each stage process what it holds."""
     check_shape(config)
     kernel = current_kernel()
     assert isinstance(kernel, SimKernel)
@@ -63,6 +63,11 @@ def build_process_engine(
             sweep=world.sweep_namespace,
         )
         handles[spec.stage_id] = upstream
+
+    async def settle() -> None:
+        await engine.residue_now()  # what each stage process holds now, not at its last heartbeat
+
+    world.settle = settle
     return engine
 
 

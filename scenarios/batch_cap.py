@@ -19,6 +19,7 @@ from scenarios.edge import together
 from scenarios.pipeline import (
     ASYNC_CHUNK,
     BOUNDARY,
+    CODE2WAV_STAGE,
     SHORT,
     Client,
     pipeline_scenario,
@@ -35,7 +36,6 @@ CAPPED = Param(
 )
 
 
-CODE2WAV = 2
 #: Virtual seconds one model call takes: chunks of several requests commit while Code2Wav runs
 #: one, so more of them are ready at a step than it may run.
 MODEL_STEP_S = 0.02
@@ -48,7 +48,7 @@ def capped_world(store_kind: str, params: Params) -> World:
         config = with_every_stage(shipped, max_num_seqs=cap)
     else:
         stages = list(shipped.deploy.stages)
-        stages[CODE2WAV] = dataclasses.replace(stages[CODE2WAV], max_num_seqs=cap)
+        stages[CODE2WAV_STAGE] = dataclasses.replace(stages[CODE2WAV_STAGE], max_num_seqs=cap)
         config = dataclasses.replace(shipped, deploy=dataclasses.replace(shipped.deploy, stages=tuple(stages)))
     world = pipeline_world(store_kind, params, config=config)
     kernel = current_kernel()

@@ -115,11 +115,6 @@ def pipeline_world(
     if params.get("processes") == "yes":
         world = World(store_kind, processes=True)
         engine = build_process_engine(world, config, stage_models or models())
-
-        async def settle() -> None:
-            await engine.residue_now()  # what each stage process holds now, not at its last heartbeat
-
-        world.settle = settle
     else:
         world = World(store_kind)
         engine = build_engine(config, stage_models or models(), world.store)

@@ -200,11 +200,6 @@ def build(store_kind: str, params: Params, *, restart: str = "restart") -> World
     config = dataclasses.replace(config, deploy=dataclasses.replace(config.deploy, processes=True, restart=restart))
     engine = build_process_engine(world, config, models())
     world.components["engine"] = engine
-
-    async def settle() -> None:
-        await engine.residue_now()  # what each stage process holds now, not at its last heartbeat
-
-    world.settle = settle
     world.add_service("engine", engine.run, engine.shutdown)
     kind, at, match = CRASHES[crashed(params)]
     lives = LIVES_TAKEN.get(crashed(params)[1], 1)
